@@ -1,0 +1,217 @@
+import json
+import re
+from dataclasses import fields
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tuichat.backend import EngineOptions, SamplingParams
+from tuichat.config import DEFAULT_CONFIG_TOML, Config, config_path, load_config
+
+
+@pytest.fixture(autouse=True)
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
+def load(tmp_path, text):
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_config(path)
+
+
+def test_missing_file_gives_defaults_and_writes_the_template(config_dir):
+    config, warnings = load_config()
+    assert config == Config()
+    assert warnings == []
+    assert config_path() == config_dir / "config.toml"
+    assert config_path().read_text(encoding="utf-8") == DEFAULT_CONFIG_TOML
+    # The template as written changes nothing.
+    assert load_config() == (Config(), [])
+
+
+def test_template_documents_every_setting_with_a_valid_example(tmp_path):
+    uncommented = re.sub(r"(?m)^# (\"?[\w-]+\"? = .*)$", r"\1", DEFAULT_CONFIG_TOML)
+    config, warnings = load(tmp_path, uncommented)
+    assert warnings == []
+    documented = set(re.findall(r"(?m)^# ([\w]+) = ", DEFAULT_CONFIG_TOML))
+    top_level = {f.name for f in fields(Config)} - {"sampling", "engine", "keymap"}
+    assert documented == top_level | {f.name for f in fields(SamplingParams)} | {f.name for f in fields(EngineOptions)}
+    # Every example differs from the default where the default is "unset", so each line was really applied.
+    assert config.system_prompt and config.models and config.keymap
+    assert config.sampling.seed is not None and config.sampling.stop == ("\nUser:",)
+    assert config.engine.kv_cache_mb and config.engine.max_batched_tokens and config.engine.device_map == "auto"
+
+
+def test_every_setting_is_applied(tmp_path):
+    config, warnings = load(
+        tmp_path,
+        """
+model = "qwen2.5-0.5b"
+system_prompt = "Be brief."
+theme = "tuichat-light"
+models = ["a", "b/c"]
+
+[sampling]
+temperature = 1
+top_p = 0.9
+top_k = 40
+max_tokens = 64
+seed = 7
+stop = ["###"]
+
+[engine]
+device = "cuda:1"
+dtype = "bfloat16"
+kv_cache_mb = 256
+batching = "static"
+prefix_cache = false
+max_batched_tokens = 1024
+max_num_seqs = 8
+tp = 2
+device_map = "auto"
+
+[keymap]
+send = "ctrl+s"
+"quit.app" = "ctrl+q,f10"
+tabs.next = "ctrl+right"
+""",
+    )
+    assert warnings == []
+    assert config == Config(
+        model="qwen2.5-0.5b",
+        system_prompt="Be brief.",
+        theme="tuichat-light",
+        models=["a", "b/c"],
+        sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_tokens=64, seed=7, stop=("###",)),
+        engine=EngineOptions(
+            device="cuda:1",
+            dtype="bfloat16",
+            kv_cache_mb=256,
+            batching="static",
+            prefix_cache=False,
+            max_batched_tokens=1024,
+            max_num_seqs=8,
+            tp=2,
+            device_map="auto",
+        ),
+        keymap={"send": "ctrl+s", "quit.app": "ctrl+q,f10", "tabs.next": "ctrl+right"},
+    )
+    assert isinstance(config.sampling.temperature, float)
+
+
+def test_syntax_error_gives_defaults_and_one_warning_with_file_and_line(tmp_path):
+    config, warnings = load(tmp_path, 'model = "x"\n\n[sampling\ntemperature = 1\n')
+    assert config == Config()
+    assert len(warnings) == 1
+    assert str(tmp_path / "config.toml") in warnings[0] and "line 3" in warnings[0]
+
+
+def test_each_bad_setting_is_ignored_with_one_warning_and_the_rest_applies(tmp_path):
+    config, warnings = load(
+        tmp_path,
+        """
+model = "kept"
+colour = "blue"
+[sampling]
+temperature = "hot"
+max_tokens = -5
+top_p = 0
+top_k = 3
+[engine]
+batching = "fast"
+tp = true
+device = "gpu"
+dtype = "float16"
+[keymap]
+send = 3
+quit = "ctrl+q"
+""",
+    )
+    assert config.model == "kept"
+    assert config.sampling == SamplingParams(top_k=3)
+    assert config.engine == EngineOptions(dtype="float16")
+    assert config.keymap == {"quit": "ctrl+q"}
+    bad = ["colour", "sampling.temperature", "sampling.max_tokens", "sampling.top_p", "engine.batching", "engine.tp",
+           "engine.device", "keymap.send"]
+    assert len(warnings) == len(bad)
+    for key, warning in zip(sorted(bad), sorted(warnings, key=lambda w: re.search(r'"([\w.]+)"', w).group(1))):
+        assert f'"{key}"' in warning
+        assert str(tmp_path / "config.toml") in warning
+    assert any('"hot"' in w for w in warnings)  # the offending value is quoted back
+
+
+def test_hints_for_typos_and_misplaced_keys(tmp_path):
+    _, warnings = load(tmp_path, "temperature = 0.5\n[sampling]\ntemprature = 0.5\n[engin]\n")
+    assert len(warnings) == 3
+    misplaced, typo_table, typo_key = sorted(warnings, key=lambda w: ("[sampling]" not in w, "engin" not in w))
+    assert '"temperature"' in misplaced and "under [sampling]" in misplaced
+    assert '"engin"' in typo_table and '"engine"' in typo_table
+    assert '"sampling.temprature"' in typo_key and '"sampling.temperature"' in typo_key
+
+
+def test_a_table_of_the_wrong_type_is_ignored(tmp_path):
+    config, warnings = load(tmp_path, 'sampling = 3\nengine = "cpu"\nmodel = "m"\n')
+    assert config == Config(model="m")
+    assert len(warnings) == 2
+
+
+def test_empty_system_prompt_means_none(tmp_path):
+    config, warnings = load(tmp_path, 'system_prompt = ""\n')
+    assert config.system_prompt is None and warnings == []
+
+
+def test_unreadable_file_gives_defaults_and_a_warning(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_bytes(b"model = \"\xff\"\n")
+    config, warnings = load_config(path)
+    assert config == Config()
+    assert len(warnings) == 1 and str(path) in warnings[0]
+
+
+# No control characters or lone surrogates: TOML forbids them even escaped, and this test is about values.
+text = st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=8)
+toml_values = st.one_of(
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    text,
+    st.sampled_from(["auto", "cpu", "cuda:0", "static", "off", "float16", "balanced"]),
+    st.lists(st.one_of(text, st.integers(-5, 5)), max_size=3),
+)
+
+
+def toml(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)  # such JSON strings and integers are valid TOML
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sampling=st.dictionaries(st.sampled_from([f.name for f in fields(SamplingParams)]), toml_values),
+    engine=st.dictionaries(st.sampled_from([f.name for f in fields(EngineOptions)]), toml_values),
+)
+def test_any_values_never_raise_and_each_setting_is_applied_or_warned(tmp_path, sampling, engine):
+    text = "[sampling]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in sampling.items())
+    text += "[engine]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in engine.items())
+    config, warnings = load(tmp_path, text)
+    assert not any("not valid TOML" in w for w in warnings)
+    for table, values, result, default in [
+        ("sampling", sampling, config.sampling, SamplingParams()),
+        ("engine", engine, config.engine, EngineOptions()),
+    ]:
+        for key, value in values.items():
+            warned = [w for w in warnings if f'"{table}.{key}"' in w]
+            if warned:
+                assert len(warned) == 1
+                assert getattr(result, key) == getattr(default, key)
+            else:
+                applied = tuple(value) if key == "stop" else value
+                assert getattr(result, key) == applied

@@ -1,0 +1,273 @@
+"""User settings: one TOML file in the config dir, read once at start-up.
+
+A mistake in the file never stops tuichat: each bad setting is dropped with a warning that names it and the
+rest of the file still applies (the UI shows warnings as notifications, `tuichat ask` prints them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tuichat import paths
+from tuichat.backend import EngineOptions, SamplingParams
+
+
+@dataclass
+class Config:
+    model: str = "smollm2-135m"  # default model spec for new tabs
+    system_prompt: str | None = None
+    theme: str = "tuichat-dark"  # first-run theme; the last one picked is kept in the Store settings and wins
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, for Textual's App.set_keymap
+    models: list[str] = field(default_factory=list)  # extra model specs listed in the model picker
+
+
+def config_path() -> Path:
+    return paths.config_dir() / "config.toml"
+
+
+# Written on first start so users find every setting without reading docs. Every setting line is commented
+# out, so loading this file as is gives the defaults; tests uncomment each line to check that it is valid.
+DEFAULT_CONFIG_TOML = """\
+# tuichat settings. Each "# name = value" line shows a setting with its default (or an example where the
+# default is "unset"); delete the "# " to change it. A mistake here never stops tuichat: the bad setting is
+# ignored and a notification names it.
+
+# Model for new tabs: an alias (see `tuichat models`), a local Hugging Face folder, a .gguf file or a hub id.
+# model = "smollm2-135m"
+
+# More models to list in the model picker, next to the ones tuichat finds by itself.
+# models = ["HuggingFaceTB/SmolLM2-360M-Instruct", "~/models/qwen2.5-0.5b-instruct"]
+
+# Sent at the start of every conversation. Unset: no system prompt.
+# system_prompt = "You are a concise assistant."
+
+# Theme on first start; after that, the theme you last picked is remembered. Bundled: tuichat-dark,
+# tuichat-light, tuichat-high-contrast, tuichat-solarized-light. Your own .toml themes go in the themes/
+# folder next to this file.
+# theme = "tuichat-dark"
+
+[sampling]
+# 0 is greedy: always the likeliest token, so the same prompt gives the same reply. Higher is more varied.
+# temperature = 0.0
+# Sample only from the likeliest tokens whose probabilities add up to top_p (0 < top_p <= 1). 1.0: off.
+# top_p = 1.0
+# Sample only from the top_k likeliest tokens. 0: off.
+# top_k = 0
+# Longest reply, in tokens.
+# max_tokens = 512
+# Seed for reproducible sampling. Unset: random.
+# seed = 1234
+# End the reply when one of these strings appears.
+# stop = ["\\nUser:"]
+
+[engine]
+# auto | cpu | cuda | cuda:N (auto: a GPU when there is one)
+# device = "auto"
+# auto | float32 | bfloat16 | float16
+# dtype = "auto"
+# Memory for the KV cache, in MiB. Unset: a default per device.
+# kv_cache_mb = 1024
+# continuous: requests join and leave the running batch at every step (tabs answer at once);
+# static: a batch runs until all its requests finish; off: one request at a time.
+# batching = "continuous"
+# Reuse the cached KV of a prompt prefix seen before (the earlier turns of a conversation).
+# prefix_cache = true
+# Token budget of one engine step. Unset: a default per device.
+# max_batched_tokens = 2048
+# Most requests running at once.
+# max_num_seqs = 64
+# Tensor-parallel ranks (processes that each hold a slice of every layer).
+# tp = 1
+# Split the model's layers over the visible GPUs with accelerate (auto | balanced | balanced_low_0 |
+# sequential). Unset: the whole model on `device`.
+# device_map = "auto"
+
+[keymap]
+# Rebind keys: binding id = keys, several keys separated by commas. Ids that contain dots need quotes.
+# "binding-id" = "ctrl+j,f5"
+"""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    expect: str  # completes "must be ..." in the warning
+    ok: Callable[[Any], bool]
+    convert: Callable[[Any], Any] = lambda value: value
+
+
+def _int(low: int) -> _Rule:
+    # bool is an int subclass in Python; `true` for a count is a mistake, not 1.
+    return _Rule(f"a whole number ≥ {low}", lambda v: type(v) is int and v >= low)
+
+
+def _number(expect: str, ok: Callable[[float], bool]) -> _Rule:
+    return _Rule(
+        expect,
+        lambda v: type(v) in (int, float) and math.isfinite(v) and ok(v),
+        float,
+    )
+
+
+def _choice(*options: str) -> _Rule:
+    return _Rule("one of " + ", ".join(f'"{o}"' for o in options), lambda v: v in options)
+
+
+def _text(expect: str = "a non-empty string") -> _Rule:
+    return _Rule(expect, lambda v: isinstance(v, str) and v.strip() != "")
+
+
+_STRINGS = _Rule(
+    "a list of non-empty strings",
+    lambda v: isinstance(v, list) and all(isinstance(s, str) and s != "" for s in v),
+)
+
+_TOP_LEVEL = {
+    "model": _text(),
+    # An empty prompt means "none": TOML has no null to write instead.
+    "system_prompt": _Rule("a string", lambda v: isinstance(v, str), lambda v: v or None),
+    "theme": _text("a theme name"),
+    "models": _STRINGS,
+}
+
+_SAMPLING = {
+    "temperature": _number("a number ≥ 0", lambda v: v >= 0),
+    "top_p": _number("a number above 0 and at most 1", lambda v: 0 < v <= 1),
+    "top_k": _int(0),
+    "max_tokens": _int(1),
+    "seed": _int(0),
+    "stop": _Rule(_STRINGS.expect, _STRINGS.ok, tuple),
+}
+
+_ENGINE = {
+    "device": _Rule(
+        '"auto", "cpu", "cuda" or "cuda:N"',
+        lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
+    ),
+    "dtype": _choice("auto", "float32", "bfloat16", "float16"),
+    "kv_cache_mb": _int(1),
+    "batching": _choice("continuous", "static", "off"),
+    "prefix_cache": _Rule("true or false", lambda v: isinstance(v, bool)),
+    "max_batched_tokens": _int(1),
+    "max_num_seqs": _int(1),
+    "tp": _int(1),
+    "device_map": _choice("auto", "balanced", "balanced_low_0", "sequential"),
+}
+
+_TABLES = ("sampling", "engine", "keymap")
+
+
+def _show(value: Any) -> str:
+    """A value as it looks in TOML, so the warning matches what the user typed."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, list)):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    if isinstance(value, dict):
+        return "a table"
+    return str(value)
+
+
+class _Reader:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.warnings: list[str] = []
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(f"{self.path}: {text}")
+
+    def unknown(self, name: str, known: list[str], prefix: str = "") -> None:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f' (did you mean "{prefix}{close[0]}"?)' if close else ""
+        self.warn(f'unknown setting "{prefix}{name}" ignored{hint}.')
+
+    def table(self, data: dict[str, Any], rules: dict[str, _Rule], prefix: str = "") -> dict[str, Any]:
+        """The valid settings of one table, converted; a warning for each of the others."""
+        good = {}
+        for name, value in data.items():
+            rule = rules.get(name)
+            if rule is None:
+                self.unknown(name, list(rules), prefix)
+            elif not rule.ok(value):
+                self.warn(f'"{prefix}{name}" must be {rule.expect}, not {_show(value)}; using the default.')
+            else:
+                good[name] = rule.convert(value)
+        return good
+
+    def keymap(self, data: dict[str, Any], id_prefix: str = "") -> dict[str, str]:
+        keymap = {}
+        for name, value in data.items():
+            binding = id_prefix + name
+            # A dotted id written bare (app.quit = "...") arrives as a nested table: rebuild the dotted id.
+            if isinstance(value, dict):
+                keymap |= self.keymap(value, f"{binding}.")
+            elif isinstance(value, str) and value.strip():
+                keymap[binding] = value
+            else:
+                self.warn(f'"keymap.{binding}" must be keys as a string such as "ctrl+j", not {_show(value)}.')
+        return keymap
+
+    def config(self, data: dict[str, Any]) -> Config:
+        tables: dict[str, dict[str, Any]] = {}
+        top = {}
+        for name, value in data.items():
+            if name in _TABLES:
+                if isinstance(value, dict):
+                    tables[name] = value
+                else:
+                    self.warn(f'"{name}" must be a [{name}] table, not {_show(value)}; using the defaults.')
+            elif name in _TOP_LEVEL:
+                top[name] = value
+            elif name in _SAMPLING or name in _ENGINE:
+                table = "sampling" if name in _SAMPLING else "engine"
+                self.warn(f'"{name}" ignored: it belongs under [{table}], after the top-level settings.')
+            else:
+                self.unknown(name, [*_TOP_LEVEL, *_TABLES])
+        return Config(
+            **self.table(top, _TOP_LEVEL),
+            sampling=SamplingParams(**self.table(tables.get("sampling", {}), _SAMPLING, "sampling.")),
+            engine=EngineOptions(**self.table(tables.get("engine", {}), _ENGINE, "engine.")),
+            keymap=self.keymap(tables.get("keymap", {})),
+        )
+
+
+def _where(error: tomllib.TOMLDecodeError) -> str:
+    # Python 3.14 adds .lineno; before that the line is only in the message: "... (at line 3, column 7)".
+    line = getattr(error, "lineno", None)
+    if line is None:
+        match = re.search(r"at line (\d+)", str(error))
+        line = match and match.group(1)
+    return f", line {line}" if line else ""
+
+
+def load_config(path: Path | None = None) -> tuple[Config, list[str]]:
+    """The settings in `path` (default: config_path()) and human-readable warnings about what was ignored.
+    Never raises. A missing file is created from DEFAULT_CONFIG_TOML so the user can find and edit it."""
+    path = path or config_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(DEFAULT_CONFIG_TOML, encoding="utf-8")
+        except OSError:
+            pass  # a read-only config dir only costs the template; the defaults are what it would say anyway
+        return Config(), []
+    except (OSError, UnicodeDecodeError) as error:
+        return Config(), [f"{path} cannot be read ({error}); using the default settings."]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(error))
+        return Config(), [f"{path}{_where(error)}: not valid TOML ({reason}); using the default settings."]
+    reader = _Reader(path)
+    config = reader.config(data)
+    return config, reader.warnings
