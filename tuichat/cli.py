@@ -1,0 +1,188 @@
+"""Command line: `tuichat` (the TUI), `tuichat ask`, `tuichat models`, `tuichat bench`.
+
+Heavy imports (torch, transformers, textual) happen inside the commands so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import click
+
+from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+
+
+def engine_options(func):
+    """The engine options every front end accepts (TUI, ask, bench)."""
+    options = [
+        click.option("--device", default=None, help="auto | cpu | cuda | cuda:N  [config: engine.device]"),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None),
+        click.option("--kv-cache-mb", type=click.IntRange(min=1), default=None, help="KV cache memory budget."),
+        click.option("--batching", type=click.Choice(["continuous", "static", "off"]), default=None),
+        click.option("--prefix-cache/--no-prefix-cache", default=None, help="Reuse KV of shared prefixes."),
+        click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
+        click.option("--device-map", default=None, help="'auto': accelerate layer split over the GPUs."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _merge_options(base: EngineOptions, **given) -> EngineOptions:
+    from dataclasses import replace
+
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def _load_config():
+    from tuichat.config import load_config
+
+    config, warnings = load_config()
+    for warning in warnings:
+        click.echo(f"tuichat: {warning}", err=True)
+    return config, warnings
+
+
+def _fail(message: str) -> None:
+    click.echo(f"tuichat: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "-m", default=None, help="Model for new tabs: smollm2-135m, a folder, a .gguf, a hub id.")
+@engine_options
+@click.pass_context
+def main(ctx: click.Context, model, **engine_flags) -> None:
+    """tuichat: chat with local models in your terminal; see batching and caching at work.
+
+    \b
+    Files:
+      config   TUICHAT_CONFIG_DIR or the platform config dir (config.toml, themes/)
+      history  TUICHAT_DATA_DIR or the platform data dir (history.sqlite3)
+      cache    TUICHAT_CACHE_DIR or the platform cache dir (converted models)
+    Run `tuichat paths` to print them.
+    """
+    ctx.obj = {"model": model, "engine_flags": engine_flags}
+    if ctx.invoked_subcommand is not None:
+        return
+    from tuichat.store import Store
+    from tuichat.ui.app import run_tui
+
+    config, warnings = _load_config()
+    options = _merge_options(config.engine, **engine_flags)
+    default_model = model or config.model
+    if model:
+        config.model = model
+
+    def backend_factory():
+        from tuichat.local import LocalBackend
+
+        return LocalBackend(options, default_model, config.models)
+
+    run_tui(backend_factory, config, Store(), warnings)
+
+
+@main.command()
+def paths() -> None:
+    """Print where tuichat keeps its files."""
+    from tuichat import paths as p
+    from tuichat.config import config_path
+
+    click.echo(f"config:  {config_path()}\nthemes:  {p.config_dir() / 'themes'}\n"
+               f"history: {p.data_dir() / 'history.sqlite3'}\ncache:   {p.cache_dir()}")
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", "-m", default=None, help="Model spec (default: the config's, else smollm2-135m).")
+@click.option("--system", default=None, help="System message.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None)
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
+@engine_options
+@click.pass_context
+def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed, stop, as_json, **engine_flags):
+    """Answer PROMPT (`-` reads stdin), streaming the reply to stdout and stats to stderr."""
+    from dataclasses import replace
+
+    config, _ = _load_config()
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        _fail("the prompt is empty.")
+    model = model or ctx.obj.get("model") or config.model
+    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    params = replace(config.sampling, **{k: v for k, v in given.items() if v is not None}, stop=tuple(stop))
+    system = system if system is not None else config.system_prompt
+    messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+    try:
+        asyncio.run(_ask(model, options, messages, params, as_json))
+    except BackendError as exc:
+        _fail(str(exc))
+
+
+async def _ask(model: str, options: EngineOptions, messages, params: SamplingParams, as_json: bool) -> None:
+    from tuichat.engine.loader import stderr_progress
+    from tuichat.local import LocalBackend
+
+    backend = LocalBackend(options, model)
+    try:
+        name = await backend.load(model, stderr_progress)
+        text, started, last = [], time.monotonic(), None
+        async for event in backend.stream("ask", messages, params):
+            if event.text:
+                text.append(event.text)
+                if not as_json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            last = event
+        usage = last.usage
+        if last.error:
+            raise BackendError(last.error)
+        stats = backend.stats(name)
+        result = {
+            "text": "".join(text),
+            "model": name,
+            "device": stats.device,
+            "dtype": stats.dtype,
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "ttft_ms": usage.ttft_ms,
+            "tokens_per_s": usage.tokens_per_s,
+            "e2e_ms": usage.e2e_ms,
+            "finish_reason": usage.finish_reason,
+        }
+        if as_json:
+            click.echo(json.dumps(result))
+        else:
+            click.echo()
+            ttft = f"{usage.ttft_ms:.0f} ms" if usage.ttft_ms is not None else "n/a"
+            tps = f"{usage.tokens_per_s:.1f} tok/s" if usage.tokens_per_s else "n/a"
+            click.echo(
+                f"[{name} · {stats.device} {stats.dtype}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
+                f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens · "
+                f"finish: {usage.finish_reason} · wall {time.monotonic() - started:.2f} s",
+                err=True,
+            )
+    finally:
+        await backend.close()
+
+
+@main.command()
+def models() -> None:
+    """List the models tuichat can open."""
+    from tuichat.config import load_config
+    from tuichat.catalog import list_models
+
+    config, _ = load_config()
+    for info in list_models(config.models):
+        click.echo(f"{info.spec:<40} {info.kind:<10} {info.description}")

@@ -1,0 +1,153 @@
+"""Paged KV cache: a fixed pool of blocks, per-sequence block tables, and a prefix cache over them.
+
+A full block is identified by a hash chained over every token before it (hash(parent, tokens)), so two
+sequences share a block only when their whole prefixes match. Hashes are registered only once a block's
+K/V is really computed (chunked prefill can leave a block allocated but not yet filled). Blocks whose ref
+count drops to zero keep their hash and stay findable until the pool needs them; they are reused oldest
+freed first (LRU), like vLLM's free-block queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tuichat.engine.request import Sequence
+
+
+class CacheFull(Exception):
+    """No free block: the scheduler answers by preempting a sequence."""
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.by_hash: dict[int, int] = {}
+
+    # -- accounting -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation -------------------------------------------------------------------------------------
+    def _take_free(self) -> Block:
+        if not self.free:
+            raise CacheFull
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.hash is not None and self.by_hash.get(block.hash) == block.id:
+            del self.by_hash[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks covering seq's leading full blocks. Stops before the block holding the
+        last token: that token must be computed again to get the logits for the next one."""
+        if not self.prefix_cache:
+            return []
+        bs, hits, parent = self.block_size, [], None
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = hash((parent, tokens))
+            block_id = self.by_hash.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
+        Raises CacheFull (and changes nothing) when the pool cannot hold it now."""
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # cached but free: they count too
+        needed = self.blocks_for(len(seq)) - len(hits)
+        if needed > self.num_free - revived:
+            raise CacheFull
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free().id for _ in range(needed)]
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Make room for seq to hold num_tokens tokens. Raises CacheFull."""
+        while len(seq.block_table) < self.blocks_for(num_tokens):
+            seq.block_table.append(self._take_free().id)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        # Tail blocks first, so they are evicted before the shared head of the prefix.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} ref count went negative"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Publish seq's newly completed full blocks (prompt or generated) to the prefix cache."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        while seq.num_hashed_blocks < seq.num_computed // bs:
+            i = seq.num_hashed_blocks
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((seq.last_block_hash, tokens))
+            block = self.blocks[seq.block_table[i]]
+            # A twin computed by another sequence at the same time keeps the entry; ours stays private.
+            if h not in self.by_hash:
+                block.hash, block.token_ids = h, tokens
+                self.by_hash[h] = block.id
+            seq.last_block_hash = h
+            seq.num_hashed_blocks += 1
+
+
+class KVCache:
+    """The K/V tensors: per layer [num_blocks * block_size, kv_heads, head_dim], addressed by slot."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        devices: list[torch.device],
+    ) -> None:
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

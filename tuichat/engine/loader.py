@@ -1,0 +1,117 @@
+"""Weights and tokenizer: device/dtype choice, the one-time GGUF conversion cache, accelerate device maps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tuichat.backend import BackendError, ProgressCallback
+from tuichat.catalog import ResolvedModel
+
+_DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an interrupted conversion
+
+
+def resolve_device(option: str) -> torch.device:
+    if option == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(option)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendError("--device cuda was asked for, but torch sees no CUDA GPU.")
+    return device
+
+
+def resolve_dtype(option: str, device: torch.device) -> torch.dtype:
+    if option != "auto":
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[option]
+        except KeyError:
+            raise BackendError(f"Unknown dtype '{option}': use auto, float32, bfloat16 or float16.") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # bf16 halves the bytes a CPU decode step must read; only worth it with native bf16 dot products.
+    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:
+    if progress is not None:
+        progress(what, fraction)
+
+
+def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
+    """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
+    assert model.converted_dir is not None
+    target = model.converted_dir
+    if (target / _DONE_MARK).is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(model.source)
+    _report(progress, f"Converting {model.name} from GGUF (first use only)", 0.0)
+    started = time.monotonic()
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        # float32 keeps the dequantized weights exact; the requested dtype is applied at load time.
+        weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _report(progress, f"Saving converted {model.name}", 0.7)
+        # The weights are plain float32 tensors now; drop the GGUF marker that makes transformers refuse
+        # to serialize them.
+        weights.hf_quantizer = None
+        if hasattr(weights.config, "quantization_config"):
+            del weights.config.quantization_config
+        weights.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / _DONE_MARK).write_text(str(gguf) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BackendError(f"Could not convert {gguf}: {exc}") from exc
+    _report(progress, f"Converted {model.name} in {time.monotonic() - started:.1f} s", 1.0)
+    return target
+
+
+def load(
+    model: ResolvedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    device_map: str | None = None,
+    progress: ProgressCallback | None = None,
+):
+    """Returns (model, tokenizer), the model in eval mode on `device` (or spread by `device_map`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
+    _report(progress, f"Loading {model.name}", None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        kwargs = {"dtype": dtype}
+        if device_map:
+            kwargs["device_map"] = device_map
+        weights = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise BackendError(f"Could not load model '{model.name}': {exc}") from exc
+    if not device_map:
+        weights.to(device)
+    weights.eval()
+    _report(progress, f"Loaded {model.name}", 1.0)
+    return weights, tokenizer
+
+
+def stderr_progress(what: str, fraction: float | None) -> None:
+    """Progress for command-line front ends: one line per stage on stderr."""
+    suffix = f" ({fraction:.0%})" if fraction not in (None, 0.0, 1.0) else ""
+    print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)

@@ -1,0 +1,92 @@
+"""A sequence: one request's token ids, its place in the KV cache, sampling state and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tuichat.backend import SamplingParams, Usage
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports after a step for one request."""
+
+    request_id: int
+    text: str  # new text since the previous output
+    new_token_ids: list[int]
+    t: float
+    finished: bool = False
+    usage: Usage | None = None  # on the final output, with the ITL list
+    error: str | None = None
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    token_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = 0
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens [0, num_computed) have their K/V in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    last_block_hash: int | None = None
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    finish_reason: str | None = None
+    error: str | None = None
+    cancelled: bool = False
+    # Timestamps (time.monotonic) and latency bookkeeping.
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_text_time: float | None = None
+    last_text_time: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    generator: object | None = None  # per-request torch.Generator, so a seed holds whatever the batch
+    detok: object | None = None
+    stop_matcher: object | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def usage(self, now: float, final: bool) -> Usage:
+        """The per-token copy leaves out the ITL list (growing with the reply); the final one has it all."""
+        ms = lambda t: None if t is None else (t - self.arrival) * 1000  # noqa: E731
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.num_cached_tokens or 0,
+            completion_tokens=self.num_completion_tokens,
+            queue_ms=ms(self.first_scheduled),
+            ttft_ms=ms(self.first_text_time),
+            itl_ms=list(self.itl_ms) if final else [],
+            e2e_ms=ms(now),
+            finish_reason=self.finish_reason,
+        )

@@ -1,0 +1,44 @@
+"""Next-token choice on the device: greedy rows in one argmax, the others with their own generator so a
+seed gives the same text whatever else shares the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from tuichat.backend import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.temperature <= 0:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits: [N, vocab] float32. Returns one token id per row."""
+    chosen = logits.argmax(dim=-1)
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if p.temperature > 0:
+            probs = _filter(logits[row], p).softmax(-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, and takes a generator.
+            noise = torch.empty_like(probs).exponential_(generator=generator)
+            chosen[row] = (probs / noise).argmax()
+    return chosen.tolist()

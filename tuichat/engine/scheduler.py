@@ -1,0 +1,113 @@
+"""Continuous batching under a token budget.
+
+Each step: running sequences that decode (one token each) go first, so a new prompt never stalls the tabs
+that are already talking; then sequences part-way through a chunked prefill; then waiting sequences are
+admitted while blocks and budget last. When the pool runs out, the newest running sequence is preempted:
+its blocks are freed (their hashes stay, so its recompute mostly hits the prefix cache) and it waits at
+the front of the queue. The "static" and "off" modes exist to measure what continuous batching buys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tuichat.engine.kv_cache import BlockManager, CacheFull
+from tuichat.engine.request import Sequence, Status
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step
+    length: int  # tokens computed in this step
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the sequence's last token (so its logits give the next token)?"""
+        return self.start + self.length == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int, batching: str) -> None:
+        if batching not in ("continuous", "static", "off"):
+            raise ValueError(f"unknown batching mode {batching!r}")
+        self.blocks = blocks
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = 1 if batching == "off" else max_num_seqs
+        self.batching = batching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free_sequence(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+
+        def grow(seq: Sequence, length: int) -> bool:
+            """Reserve blocks for seq's next `length` tokens, preempting newer sequences if needed."""
+            while True:
+                try:
+                    self.blocks.ensure_slots(seq, seq.num_computed + length)
+                    return True
+                except CacheFull:
+                    victim = next((s for s in reversed(self.running) if s.id not in scheduled), None)
+                    self._preempt(victim)
+                    if victim is seq:
+                        return False
+
+        # 1. Decodes first, oldest first. 2. Chunked prefills already under way.
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if seq.status is not Status.RUNNING or seq.id in scheduled:
+                    continue  # preempted during this pass, or done in the first pass
+                if (seq.num_uncomputed == 1) != decoding or budget == 0:
+                    continue
+                length = min(seq.num_uncomputed, budget)
+                if grow(seq, length):
+                    chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+                    scheduled.add(seq.id)
+                    budget -= length
+
+        # 3. Admit waiting sequences while budget, seats and blocks last.
+        may_admit = self.batching != "static" or not self.running
+        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                self.blocks.allocate(seq)
+            except CacheFull:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            if seq.num_cached_tokens is None:  # the first admission is what the user's cache hit is
+                seq.num_cached_tokens = seq.num_computed
+                seq.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            length = min(seq.num_uncomputed, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            scheduled.add(seq.id)
+            budget -= length
+        return chunks
