@@ -111,7 +111,7 @@ def test_search_treats_quotes_and_operators_in_user_text_as_words(store):
     chat(store, "Quotes", ("user", 'He said "hello" NOT once, (maybe) c++ col:umn'), ("assistant", "ok"))
     for query in ['"hello"', '"hello', "NOT", "once NOT hello", "(maybe", "c++", "col:umn", "-said", "he*", "^he"]:
         assert [h.role for h in store.search(query)] == ["user"], query
-    for query in ['"', "*", "AND", "NEAR(", "()", "'", "-"]:
+    for query in ['"', "*", "AND", "NEAR(", "()", "'", "-", "\0", 'a"\0"b']:
         store.search(query)  # no syntax error, whatever it finds
 
 

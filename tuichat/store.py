@@ -132,7 +132,9 @@ def _fts_query(text: str) -> str:
     """User text as an FTS5 query that cannot be a syntax error: every word becomes a quoted prefix phrase,
     so quotes, AND/OR/NOT/NEAR, *, -, ^, :, and parentheses are searched as plain text. All words must match;
     the last one may be unfinished (search as you type)."""
-    return " ".join('"' + word.replace('"', '""') + '"*' for word in text.split())
+    # FTS5 reads the query as a C string: a NUL would end it inside the quotes.
+    words = text.replace("\0", " ").split()
+    return " ".join('"' + word.replace('"', '""') + '"*' for word in words)
 
 
 class Store:
