@@ -1,0 +1,82 @@
+"""Shared fixtures. Every test runs offline against temporary config/data/cache dirs; the embedded model is
+converted once per test session into a temporary cache (that conversion is itself under test)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may wait on a network that is not there
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, session_cache, monkeypatch):
+    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("TUICHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+
+
+TINY = {
+    "llama": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "qwen2": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+}
+
+
+def make_tiny(arch: str = "llama", seed: int = 0):
+    """A random-weight model (float32, eval) plus an identical twin with its own config object: the engine
+    switches its model to paged attention, and models built from one config object would share that."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(**TINY[arch], eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    reference = model_cls(copy.deepcopy(config)).eval()
+    model = model_cls(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return model, reference
+
+
+@pytest.fixture(scope="session")
+def embedded(session_cache):
+    """The embedded model, converted into the session cache and loaded in float32 for exact comparisons:
+    (resolved spec, model for engines, reference model for transformers' generate, tokenizer)."""
+    import torch
+
+    from tuichat import catalog
+    from tuichat.engine import loader
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    try:
+        resolved = catalog.resolve(catalog.EMBEDDED_ALIAS)
+        model, tokenizer = loader.load(resolved, torch.device("cpu"), torch.float32)
+        reference, _ = loader.load(resolved, torch.device("cpu"), torch.float32)
+    finally:
+        mp.undo()
+    return resolved, model, reference, tokenizer
+
+
+def hf_greedy(reference, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """Plain transformers greedy decoding: the ground truth the engine must match token for token."""
+    import torch
+
+    out = reference.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids):].tolist()
