@@ -1,0 +1,152 @@
+"""The embedded model end to end: GGUF conversion cache, chat templates, streaming text, multi-turn cache
+hits through the backend, and `tuichat ask`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import hf_greedy
+from tuichat.backend import EngineOptions, Message, SamplingParams
+from tuichat.cli import main
+from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
+from tuichat.engine.engine import Engine, EngineConfig
+from tuichat.local import LocalBackend
+
+QUESTION = [Message("user", "Name three primary colors.")]
+
+
+def chat_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_conversion_is_cached_and_reused(embedded, session_cache):
+    resolved, *_ = embedded
+    assert (resolved.converted_dir / "tuichat-source.txt").is_file()
+    assert resolved.converted_dir.is_relative_to(session_cache)
+    stages = []
+    backend = LocalBackend(EngineOptions(dtype="float32"))
+    backend.load_sync("smollm2-135m", lambda what, fraction: stages.append(what))
+    assert stages and not any("Converting" in s for s in stages)
+    asyncio.run(backend.close())
+
+
+def test_greedy_chat_reply_matches_generate_and_streams_the_same_text(embedded):
+    _, model, reference, tokenizer = embedded
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=64))
+    prompt = chat_ids(tokenizer, QUESTION)
+    pieces = []
+    seq = engine.submit(prompt, SamplingParams(max_tokens=40), lambda out: pieces.append(out.text))
+    while seq.finish_reason is None:
+        engine.step()
+    expected = hf_greedy(reference, prompt, 40, eos_token_id=tokenizer.eos_token_id)
+    assert seq.completion_ids == expected
+    assert "".join(pieces) == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_detokenizer_is_utf8_safe_one_token_at_a_time(embedded):
+    tokenizer = embedded[3]
+    text = "Größe: 42 € — 東京 😀 naïve café\n```python\nprint('ok')\n```"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_matcher_never_shows_a_stop_string():
+    matcher = StopMatcher(("STOP",))
+    shown = [matcher.feed(piece) for piece in ["Hello S", "TO", "P after"]]
+    assert shown == [("Hello ", False), ("", False), ("", True)]
+    matcher = StopMatcher(("STOP",))
+    assert matcher.feed("a ST")[0] == "a " and matcher.feed("ar")[0] == "STar" and matcher.flush() == ""
+
+
+def test_multi_turn_conversation_hits_the_cache_and_matches_generate(embedded):
+    _, _, reference, tokenizer = embedded
+    backend = LocalBackend(EngineOptions(dtype="float32"))
+
+    async def turn(messages):
+        text, last = [], None
+        async for event in backend.stream("c1", messages, SamplingParams(max_tokens=24)):
+            text.append(event.text)
+            last = event
+        return "".join(text), last.usage
+
+    async def conversation():
+        messages, usages = [], []
+        for question in ["Hi! Who are you?", "What is 2+2?", "And 3+3?"]:
+            messages.append(Message("user", question))
+            reply, usage = await turn(messages)
+            ids = backend.cached_token_ids("c1")
+            prompt, completion = ids[: usage.prompt_tokens], ids[usage.prompt_tokens :]
+            assert completion == hf_greedy(reference, prompt, 24, eos_token_id=tokenizer.eos_token_id)
+            if usages:  # the whole previous history came from the cache, bar one partial block
+                assert usage.cached_tokens >= previous_len - 16
+            previous_len = len(ids)
+            usages.append(usage)
+            messages.append(Message("assistant", reply))
+        await backend.close()
+        return usages
+
+    usages = asyncio.run(conversation())
+    assert usages[0].cached_tokens == 0 and usages[2].cached_tokens > usages[1].cached_tokens > 0
+
+
+def test_stop_string_cuts_the_reply(embedded):
+    backend = LocalBackend(EngineOptions(dtype="float32"))
+
+    async def ask(params):
+        events = [e async for e in backend.stream("s", QUESTION, params)]
+        return "".join(e.text for e in events), events[-1].usage
+
+    full, _ = asyncio.run(ask(SamplingParams(max_tokens=30)))
+    word = full.split()[3]
+    cut, usage = asyncio.run(ask(SamplingParams(max_tokens=30, stop=(word,))))
+    asyncio.run(backend.close())
+    assert usage.finish_reason == "stop"
+    assert cut == full[: full.index(word)]
+
+
+def run_cli(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_ask_json_reports_usage(embedded):
+    result = run_cli("ask", "Say hello.", "--json", "--dtype", "float32", "--max-tokens", "8")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("text", "model", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms",
+                "tokens_per_s", "finish_reason"):
+        assert key in data
+    assert data["model"] == "smollm2-135m" and data["text"] and data["completion_tokens"] <= 8
+    assert data["ttft_ms"] > 0
+
+
+def test_ask_reads_stdin_and_streams(embedded):
+    result = run_cli("ask", "-", "--max-tokens", "8", input="What is the capital of France?")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout
+    assert "TTFT" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ask", "hi", "--model", "no-such-model"], "Unknown model 'no-such-model'"),
+        (["ask", "   "], "the prompt is empty"),
+        (["ask", "word " * 9000], "takes at most 8191"),
+        (["ask", "hi", "--model", "someorg/not-cached"], "HF_HUB_OFFLINE"),
+    ],
+)
+def test_ask_bad_input_is_one_clear_line(embedded, args, message):
+    result = run_cli(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output
