@@ -167,7 +167,7 @@ class Engine:
             return
         self.last_batch_size = len(chunks)
         try:
-            sampling, logits = self.runner.execute(chunks)
+            logits = self.runner.execute([c.plan() for c in chunks])
         except Exception as exc:  # an OOM or a model bug must not take the other tabs' engine down for good
             now = time.monotonic()
             for chunk in chunks:
@@ -177,6 +177,7 @@ class Engine:
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
             self.blocks.register_computed(chunk.seq)
+        sampling = [c for c in chunks if c.samples]
         if not sampling:
             return
         tokens = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling])

@@ -1,13 +1,35 @@
 """Turns a scheduled step into tensors, runs the model once over all its tokens, returns the logits of
-the positions that are sampled (never the whole [T, vocab] matrix: on a CPU that alone costs milliseconds)."""
+the positions that are sampled (never the whole [T, vocab] matrix: on a CPU that alone costs milliseconds).
+
+It works on plain StepChunk plans, not on Sequences, so tensor-parallel workers can run the very same code
+from a plan that rank 0 broadcasts.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tuichat.engine.attention import PrefillSpan, StepContext, set_context
 from tuichat.engine.kv_cache import KVCache
-from tuichat.engine.scheduler import ScheduledChunk
+
+
+def is_decode(start: int, length: int) -> bool:
+    """A single token with context before it: it joins the batched decode path."""
+    return length == 1 and start > 0
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    token_ids: list[int]  # the tokens computed in this step
+    start: int  # position of the first of them
+    block_table: list[int]
+    samples: bool  # the chunk ends at the sequence's last token: its logits pick the next one
+
+    @property
+    def is_decode(self) -> bool:
+        return is_decode(self.start, len(self.token_ids))
 
 
 class ModelRunner:
@@ -24,51 +46,47 @@ class ModelRunner:
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def build_context(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
-        """Decodes must come first in `chunks` (the scheduler orders them so)."""
+    def build_context(self, chunks: list[StepChunk]) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
+        """`chunks` must list the decodes first (the engine orders them so)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decodes = [c for c in chunks if c.length == 1 and c.start > 0]
-        prefills = [c for c in chunks if not (c.length == 1 and c.start > 0)]
-        for chunk in decodes + prefills:
-            seq, stop = chunk.seq, chunk.start + chunk.length
-            input_ids += seq.token_ids[chunk.start : stop]
+        for chunk in chunks:
+            stop = chunk.start + len(chunk.token_ids)
+            input_ids += chunk.token_ids
             positions += range(chunk.start, stop)
-            slots += self._slots(seq.block_table, chunk.start, stop)
+            slots += self._slots(chunk.block_table, chunk.start, stop)
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
         ctx = StepContext(self.kv.k, self.kv.v, self._tensor(slots))
+        decodes = [c for c in chunks if c.is_decode]
         if decodes:
             lengths = [c.start + 1 for c in decodes]
             longest = max(lengths)
-            padded = [self._slots(c.seq.block_table, 0, n) + [0] * (longest - n) for c, n in zip(decodes, lengths)]
+            padded = [self._slots(c.block_table, 0, n) + [0] * (longest - n) for c, n in zip(decodes, lengths)]
             ctx.num_decode = len(decodes)
             ctx.decode_slots = self._tensor(padded)
             ctx.decode_mask = (
                 torch.arange(longest, device=self.device)[None, :] < self._tensor(lengths)[:, None]
             )[:, None, None, :]
         offset = len(decodes)
-        for chunk in prefills:
-            span = PrefillSpan(offset, chunk.length, chunk.start)
+        for chunk in chunks[len(decodes) :]:
+            length = len(chunk.token_ids)
+            span = PrefillSpan(offset, length, chunk.start)
             if chunk.start > 0:
-                total = chunk.start + chunk.length
-                span.context_slots = self._tensor(self._slots(chunk.seq.block_table, 0, total))
+                total = chunk.start + length
+                span.context_slots = self._tensor(self._slots(chunk.block_table, 0, total))
                 query_pos = torch.arange(chunk.start, total, device=self.device)
                 span.mask = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
             ctx.prefills.append(span)
-            offset += chunk.length
+            offset += length
         return self._tensor([input_ids]), self._tensor([positions]), ctx, sample_rows
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
-        """Runs one step. Returns the chunks that sample, in row order, and their float32 logits."""
+    def execute(self, chunks: list[StepChunk]) -> torch.Tensor | None:
+        """One forward. Returns float32 logits [N, vocab] for the sampling chunks, in order, or None."""
         input_ids, positions, ctx, sample_rows = self.build_context(chunks)
-        ordered = [c for c in chunks if c.length == 1 and c.start > 0] + [
-            c for c in chunks if not (c.length == 1 and c.start > 0)
-        ]
-        sampling = [c for c in ordered if c.samples]
         set_context(ctx)
         try:
             out = self.model(
@@ -79,6 +97,4 @@ class ModelRunner:
             )
         finally:
             set_context(None)
-        if not sampling:
-            return [], None
-        return sampling, out.logits[0].float()
+        return out.logits[0].float() if sample_rows else None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tuichat.engine.kv_cache import BlockManager, CacheFull
 from tuichat.engine.request import Sequence, Status
+from tuichat.engine.runner import StepChunk, is_decode
 
 
 @dataclass
@@ -27,6 +28,10 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """Does this chunk reach the sequence's last token (so its logits give the next token)?"""
         return self.start + self.length == len(self.seq)
+
+    def plan(self) -> StepChunk:
+        tokens = self.seq.token_ids[self.start : self.start + self.length]
+        return StepChunk(tokens, self.start, list(self.seq.block_table), self.samples)
 
 
 class Scheduler:
@@ -110,4 +115,6 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             scheduled.add(seq.id)
             budget -= length
+        # The runner batches single-token steps together and wants them first.
+        chunks.sort(key=lambda c: not is_decode(c.start, c.length))
         return chunks
