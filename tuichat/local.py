@@ -82,8 +82,9 @@ class LocalBackend:
                 max_num_seqs=self.options.max_num_seqs,
                 batching=self.options.batching,
                 prefix_cache=self.options.prefix_cache,
+                tp=self.options.tp,
             )
-            engine = Engine(weights, tokenizer, config, name=resolved.name)
+            engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
             engine.start()
             self._loaded[resolved.name] = _Loaded(
                 engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic()

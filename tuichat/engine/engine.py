@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     batching: str = "continuous"
     prefix_cache: bool = True
+    tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
 
 
 def _model_dims(config) -> tuple[int, int, int, int]:
@@ -56,7 +57,10 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), name: str = "model") -> None:
+    def __init__(
+        self, model, tokenizer=None, config: EngineConfig = EngineConfig(), name: str = "model", source=None
+    ) -> None:
+        """`source` (a catalog.ResolvedModel) lets tensor-parallel workers load their own copy of the weights."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -65,14 +69,30 @@ class Engine:
         self.device, self.dtype = first_param.device, first_param.dtype
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         num_layers, _, kv_heads, head_dim = _model_dims(model.config)
-        num_blocks = config.num_blocks or self._default_num_blocks(num_layers, kv_heads, head_dim)
+        local_kv_heads = kv_heads // config.tp  # each rank caches only its own heads
+        num_blocks = config.num_blocks or self._default_num_blocks(num_layers, local_kv_heads, head_dim)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_cache)
         layer_devices = self._layer_devices(num_layers)
-        self.kv = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, layer_devices)
         budget = config.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(self.blocks, budget, config.max_num_seqs, config.batching)
+        if config.tp > 1:
+            from tuichat.engine import parallel
+
+            parallel.check_shardable(model.config, config.tp)
+            spec, workers, plan_group = parallel.start_workers(dict(
+                resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
+                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
+                head_dim=head_dim, num_layers=num_layers,
+            ))
+            parallel.shard_model(model, 0, config.tp)
+        self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype, layer_devices)
         model.set_attn_implementation(attention.register())
-        self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
+        if config.tp > 1:
+            self.runner = parallel.TensorParallelRunner(
+                model, self.kv, config.block_size, self.device, workers, plan_group
+            )
+        else:
+            self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
         self.eos_ids = _eos_ids(model, tokenizer) if tokenizer is not None else _eos_ids(model, None)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -249,6 +269,8 @@ class Engine:
         for seq in list(self._sequences.values()):
             seq.error = "The engine was shut down."
             self._finish(seq, "error", time.monotonic())
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     # -- synchronous helper for tests and benchmarks -----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

@@ -90,14 +90,15 @@ def load(
     dtype: torch.dtype,
     device_map: str | None = None,
     progress: ProgressCallback | None = None,
+    with_tokenizer: bool = True,
 ):
-    """Returns (model, tokenizer), the model in eval mode on `device` (or spread by `device_map`)."""
+    """Returns (model, tokenizer or None), the model in eval mode on `device` (or spread by `device_map`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
     _report(progress, f"Loading {model.name}", None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source) if with_tokenizer else None
         kwargs = {"dtype": dtype}
         if device_map:
             kwargs["device_map"] = device_map

@@ -1,0 +1,224 @@
+"""Tensor parallelism inside one machine: tuichat starts its own worker processes (no torchrun).
+
+Each rank holds a slice of every decoder layer: q/k/v and gate/up are split by output rows (whole heads),
+o_proj and down_proj by input columns, followed by one all-reduce each (Megatron's scheme, as nano-vllm's
+linear layers do). Embeddings and lm_head stay replicated: for chat-sized models they are a small share of a
+step, and replicating them avoids a gather. The KV cache is split by KV heads, since each rank only ever
+computes attention for its own heads.
+
+Rank 0 is the engine: it schedules, broadcasts each step's plan, runs its own shard and samples. Workers
+loop on plans. Transport: NCCL for activations on CUDA, gloo on CPU; plans always go over gloo.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tuichat.backend import BackendError
+from tuichat.engine.kv_cache import KVCache
+from tuichat.engine.runner import ModelRunner, StepChunk
+
+_COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+_ROW = {"self_attn": "o_proj", "mlp": "down_proj"}
+_STARTUP_TIMEOUT_S = 300
+
+
+class RowParallelLinear(nn.Module):
+    """A linear whose input features are split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        cols = linear.in_features // world
+        self.weight = nn.Parameter(linear.weight.data[:, rank * cols : (rank + 1) * cols].contiguous(), False)
+        # The bias is added once, by rank 0, before the sum.
+        bias = linear.bias.data if (linear.bias is not None and rank == 0) else None
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if y.device.type == "cpu" and y.dtype != torch.float32:
+            # gloo sums 16-bit floats slowly or not at all; the sum in float32 is also more exact.
+            total = y.float()
+            dist.all_reduce(total)
+            return total.to(y.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+def _column_split(linear: nn.Linear, rank: int, world: int) -> None:
+    rows = linear.out_features // world
+    linear.weight = nn.Parameter(linear.weight.data[rank * rows : (rank + 1) * rows].contiguous(), False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[rank * rows : (rank + 1) * rows].contiguous(), False)
+    linear.out_features = rows
+
+
+def check_shardable(config, world: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % world or kv_heads % world or text.intermediate_size % world:
+        raise BackendError(
+            f"--tp {world} does not divide this model: {heads} attention heads, {kv_heads} KV heads, "
+            f"MLP width {text.intermediate_size}. Pick a TP size that divides all three."
+        )
+
+
+def shard_model(model, rank: int, world: int) -> None:
+    """Cut `model` in place down to rank's slice."""
+    check_shardable(model.config, world)
+    for layer in model.model.layers:
+        for part_name, names in _COLUMN.items():
+            part = getattr(layer, part_name)
+            if not all(hasattr(part, n) for n in names):
+                raise BackendError(
+                    f"{type(model).__name__} has fused or unusual projections; tensor parallelism supports "
+                    "models with separate q/k/v and gate/up projections (Llama, Qwen2/3, Mistral, Gemma)."
+                )
+            for name in names:
+                _column_split(getattr(part, name), rank, world)
+            setattr(part, _ROW[part_name], RowParallelLinear(getattr(part, _ROW[part_name]), rank, world))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to rebuild its shard: everything picklable."""
+
+    resolved: object  # catalog.ResolvedModel
+    device: str  # "cpu" or "cuda" (rank r uses cuda:r)
+    dtype: str
+    world: int
+    init_method: str
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    num_layers: int
+
+
+def _rank_device(device: str, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}") if device.startswith("cuda") else torch.device("cpu")
+
+
+def init_rank(spec: WorkerSpec, rank: int) -> dist.ProcessGroup:
+    backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    # Workers wait for plans for as long as the app stays idle, so no collective may time out.
+    dist.init_process_group(
+        backend, init_method=spec.init_method, rank=rank, world_size=spec.world, timeout=timedelta(days=7)
+    )
+    return dist.new_group(backend="gloo", timeout=timedelta(days=7))
+
+
+def _worker_main(spec: WorkerSpec, rank: int, ready) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    try:
+        from tuichat.engine import attention, loader
+
+        plan_group = init_rank(spec, rank)
+        device = _rank_device(spec.device, rank)
+        model, _ = loader.load(spec.resolved, device, getattr(torch, spec.dtype), with_tokenizer=False)
+        shard_model(model, rank, spec.world)
+        model.set_attn_implementation(attention.register())
+        kv = KVCache(spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads // spec.world,
+                     spec.head_dim, model.dtype, [device] * spec.num_layers)
+        runner = ModelRunner(model, kv, spec.block_size, device)
+    except BaseException as exc:  # tell rank 0 why instead of leaving it waiting
+        ready.send(f"{type(exc).__name__}: {exc}")
+        raise
+    ready.send("ready")
+    while True:
+        box: list = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=plan_group)
+        except Exception:  # rank 0 is gone: exit rather than linger as an orphan
+            return
+        if box[0] is None:
+            break
+        runner.execute(box[0])
+    dist.destroy_process_group()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: broadcast the plan, then run the same forward as every worker."""
+
+    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device, workers, plan_group) -> None:
+        super().__init__(model, kv, block_size, device)
+        self.workers = workers
+        self.plan_group = plan_group
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.workers, start=1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
+
+    def execute(self, chunks: list[StepChunk]):
+        self._check_workers()
+        dist.broadcast_object_list([chunks], src=0, group=self.plan_group)
+        return super().execute(chunks)
+
+    def close(self) -> None:
+        if all(p.is_alive() for p in self.workers):
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.plan_group)
+            except Exception:
+                pass  # a worker died meanwhile; the terminate below cleans up
+        for proc in self.workers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_workers(spec_fields: dict, progress=None) -> tuple[WorkerSpec, list, dist.ProcessGroup]:
+    """Spawn ranks 1..N-1, join the process group as rank 0, and wait until every worker holds its shard."""
+    if dist.is_initialized():
+        raise BackendError("Another tensor-parallel model is loaded; close it first.")
+    world = spec_fields["world"]
+    if spec_fields["device"].startswith("cuda") and world > torch.cuda.device_count():
+        raise BackendError(f"--tp {world} needs {world} GPUs, but {torch.cuda.device_count()} are visible.")
+    spec = WorkerSpec(init_method=f"tcp://127.0.0.1:{_free_port()}", **spec_fields)
+    context = mp.get_context("spawn")  # fork would copy a process that already runs threads
+    workers, pipes = [], []
+    for rank in range(1, world):
+        receiver, sender = context.Pipe(duplex=False)
+        proc = context.Process(target=_worker_main, args=(spec, rank, sender), daemon=True,
+                               name=f"tuichat-tp-rank{rank}")
+        proc.start()
+        workers.append(proc)
+        pipes.append(receiver)
+    try:
+        plan_group = init_rank(spec, 0)
+        for rank, pipe in enumerate(pipes, start=1):
+            if not pipe.poll(_STARTUP_TIMEOUT_S):
+                raise BackendError(f"tensor-parallel worker {rank} did not start in {_STARTUP_TIMEOUT_S} s")
+            message = pipe.recv()
+            if message != "ready":
+                raise BackendError(f"tensor-parallel worker {rank} failed to start: {message}")
+            if progress:
+                progress(f"TP rank {rank} ready", rank / (world - 1))
+    except BaseException:
+        for proc in workers:
+            proc.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return spec, workers, plan_group
