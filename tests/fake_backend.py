@@ -1,0 +1,60 @@
+"""A Backend for UI tests: DemoBackend's canned replies and recording, plus knobs to hold a reply in flight
+and to make things fail. No torch anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from typing import AsyncIterator, Sequence
+
+from tuichat.backend import BackendError, Message, SamplingParams, StreamEvent, Usage
+from tuichat.ui.demo import DemoBackend
+
+
+# Short, so a test's reply takes a few frames; one has a code block to copy.
+SHORT_REPLIES = [
+    "Use this:\n\n```python\nprint(\"hi\")\n```\n\nDone.",
+    "A **plain** answer, in a few words.",
+]
+
+
+class FakeBackend(DemoBackend):
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("replies", SHORT_REPLIES)
+        kwargs.setdefault("first_token_s", 0.05)
+        kwargs.setdefault("token_s", 0.005)
+        kwargs.setdefault("load_s", 0.02)
+        super().__init__(**kwargs)
+        self.hold: asyncio.Event | None = None  # when given: replies pause after `hold_after` tokens until it is set
+        self.hold_after = 1
+        self.stream_error: str | None = None  # when set: replies end with this error after one token
+        self.load_delay_s = 0.0  # extra, real seconds in load(), to test waiting for a model
+        self.load_calls: list[str] = []
+
+    async def load(self, model, progress=None) -> str:
+        self.load_calls.append(model)
+        await asyncio.sleep(self.load_delay_s)
+        return await super().load(model, progress)
+
+    async def stream(
+        self,
+        conversation_id: str,
+        messages: Sequence[Message],
+        params: SamplingParams,
+        model: str | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        if model not in self.loaded:
+            raise BackendError(f"{model} was never loaded")
+        async with aclosing(super().stream(conversation_id, messages, params, model)) as events:
+            count = 0
+            async for event in events:
+                count += 1
+                yield event
+                if event.finished:
+                    return
+                if self.stream_error:
+                    failed = Usage(finish_reason="error")
+                    yield StreamEvent("", self.clock(), failed, finished=True, error=self.stream_error)
+                    return
+                if self.hold is not None and count >= self.hold_after:
+                    await self.hold.wait()

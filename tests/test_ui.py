@@ -1,0 +1,522 @@
+"""Pilot tests of the TUI over FakeBackend: what a user does, what the store and the backend then see."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets import Markdown
+
+from tests.fake_backend import SHORT_REPLIES, FakeBackend
+from tuichat.backend import EngineStats
+from tuichat.config import Config
+from tuichat.store import Store
+from tuichat.ui.app import TuichatApp
+from tuichat.ui.chat import AssistantMessage, ChatTab, UserMessage
+from tuichat.ui.demo import VirtualClock
+from tuichat.ui.screens import HelpScreen, ModelPicker, SearchScreen
+from tuichat.ui.widgets import EnginePanel, TtftMeter
+
+SIZE = (110, 36)
+
+
+@pytest.fixture(autouse=True)
+def tuichat_dirs(tmp_path, monkeypatch) -> Path:
+    for name in ("config", "data", "cache"):
+        monkeypatch.setenv(f"TUICHAT_{name.upper()}_DIR", str(tmp_path / name))
+    return tmp_path
+
+
+def make_app(backend: FakeBackend | None = None, *, config: Config | None = None, warnings=(), **kwargs):
+    backend = backend or FakeBackend()
+    app = TuichatApp(lambda: backend, config or Config(), Store(), list(warnings), **kwargs)
+    app.animation_level = "none"
+    return app, backend
+
+
+async def until(pilot, condition, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.01)
+
+
+async def send(pilot, text: str) -> None:
+    """Type a message as a paste (one event) and press Enter."""
+    pilot.app.active_tab.prompt.insert(text)
+    await pilot.press("enter")
+
+
+async def send_and_wait(pilot, text: str) -> AssistantMessage:
+    app = pilot.app
+    tab = app.active_tab
+    before = len(stored(app, tab))
+    await send(pilot, text)
+
+    def answered() -> bool:
+        rows = stored(app, tab)
+        return len(rows) == before + 2 and rows[-1].status != "streaming" and not tab.busy
+
+    await until(pilot, answered, what="reply finished")
+    return tab.last_reply()
+
+
+def notifications(app) -> str:
+    return "\n".join(f"{n.title}: {n.message}" for n in app._notifications)
+
+
+def stored(app, tab: ChatTab | None = None):
+    tab = tab or app.active_tab
+    return app.store.messages(tab.conversation_id)
+
+
+# --- start-up ---------------------------------------------------------------------------------------
+
+
+async def test_first_frame_does_not_wait_for_the_backend_and_early_message_waits_for_load():
+    """The factory (torch import in real life) takes a second in a thread; the UI is up meanwhile, takes
+    typing, and a message sent early is answered once the backend and model are there."""
+    release = threading.Event()
+    backend = FakeBackend()
+
+    def slow_factory():
+        release.wait(10)
+        return backend
+
+    app = TuichatApp(slow_factory, Config(), Store())
+    app.animation_level = "none"
+    started = time.monotonic()
+    async with app.run_test(size=SIZE) as pilot:
+        assert time.monotonic() - started < 1.0
+        assert "starting the engine" in str(app.active_tab.query_one(".model-bar").render())
+        await send(pilot, "early bird")
+        await pilot.pause(0.2)
+        assert app.active_tab.busy and "waiting" in str(app.active_tab.meter.query_one("#meter-text").render())
+        release.set()
+        await until(pilot, lambda: not app.active_tab.busy, what="reply")
+        assert backend.calls[0]["messages"][-1].content == "early bird"
+        assert stored(app)[-1].status == "done"
+
+
+def test_tui_never_imports_torch():
+    """In a fresh interpreter: start the app on the fake backend, chat once, and look at sys.modules."""
+    script = """
+import asyncio, os, sys, tempfile
+for name in ("CONFIG", "DATA", "CACHE"):
+    os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
+from tests.fake_backend import SHORT_REPLIES, FakeBackend
+from tuichat.config import Config
+from tuichat.store import Store
+from tuichat.ui.app import TuichatApp
+
+async def main():
+    app = TuichatApp(FakeBackend, Config(), Store())
+    async with app.run_test() as pilot:
+        app.active_tab.prompt.insert("hello")
+        await pilot.press("enter")
+        while app.backend is None or not app.backend.calls or app.active_tab.busy:
+            await pilot.pause(0.02)
+    print("torch" in sys.modules, "transformers" in sys.modules)
+
+asyncio.run(main())
+"""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+
+
+# --- streaming and the meter ------------------------------------------------------------------------
+
+
+async def test_meter_shows_real_ttft_from_enter_to_first_token():
+    app, backend = make_app(FakeBackend(first_token_s=0.3))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "smollm2-135m" in backend.loaded, what="model load")
+        meter = app.active_tab.meter
+        await send(pilot, "how fast?")
+        await pilot.pause(0.1)
+        assert "waiting" in str(meter.query_one("#meter-text").render())
+        await until(pilot, lambda: not app.active_tab.busy)
+        ttft = meter.turn.ttft_ms
+        assert 300 <= ttft < 1300, ttft
+        assert f"TTFT {ttft:,.0f} ms" in str(meter.query_one("#meter-text").render())
+        assert stored(app)[-1].meta["ttft_ms"] == pytest.approx(ttft, abs=0.1)
+
+
+async def test_meter_numbers_on_a_virtual_clock():
+    """With time that only moves when the backend sleeps, every number is exact."""
+    clock = VirtualClock()
+    backend = FakeBackend(first_token_s=0.25, token_s=0.02, clock=clock, sleep=clock.sleep)
+    backend.hold = asyncio.Event()
+    app, _ = make_app(backend, clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        meter: TtftMeter = app.active_tab.meter
+        await until(pilot, lambda: "smollm2-135m" in backend.loaded, what="model load")  # or TTFT includes it
+        await send(pilot, "numbers")
+        await until(pilot, lambda: meter.turn is not None and meter.turn.t_first is not None, what="first token")
+        backend.hold.set()
+        await until(pilot, lambda: not app.active_tab.busy)
+        text = str(meter.query_one("#meter-text").render())
+        tokens = len(backend.chunks(backend.reply_for(backend.calls[-1]["messages"])))
+        assert "TTFT 250 ms" in text and "ITL 20 ms" in text and "50.0 tok/s" in text
+        assert f"{tokens} tok" in text
+
+
+async def test_streamed_reply_is_complete_rendered_and_stored():
+    app, backend = make_app(FakeBackend(token_s=0.001))
+    async with app.run_test(size=SIZE) as pilot:
+        reply = await send_and_wait(pilot, "fizzbuzz")
+        expected = backend.reply_for(backend.calls[-1]["messages"])
+        assert reply.text == expected
+        assert reply.query_one(Markdown).source == expected  # the last tokens were not dropped
+        assert [block.code for block in reply.code_blocks()] == (['print("hi")'] if "```" in expected else [])
+        rows = stored(app)
+        assert [(r.role, r.status) for r in rows] == [("user", "done"), ("assistant", "done")]
+        assert rows[-1].content == expected
+        assert app.active_tab.title == "fizzbuzz"  # a new chat is named after its first message
+
+
+async def test_partial_reply_is_flushed_while_streaming():
+    clock = VirtualClock()
+    backend = FakeBackend(first_token_s=0.05, token_s=0.3, clock=clock, sleep=clock.sleep)
+    backend.hold, backend.hold_after = asyncio.Event(), 6
+    app, _ = make_app(backend, clock=clock)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "flush")
+        await until(pilot, lambda: len(app.active_tab.last_reply().text.split()) >= 6, what="six tokens")
+        row = stored(app)[-1]
+        assert row.status == "streaming"
+        assert row.content and app.active_tab.last_reply().text.startswith(row.content)
+        backend.hold.set()
+        await until(pilot, lambda: not app.active_tab.busy)
+        assert stored(app)[-1].status == "done"
+
+
+async def test_escape_stops_the_reply_and_keeps_the_partial_text():
+    app, backend = make_app()
+    backend.hold = asyncio.Event()
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        await send(pilot, "tell me everything")
+        await until(pilot, lambda: tab.last_reply() is not None and tab.last_reply().has_text, what="first token")
+        await pilot.press("escape")
+        await until(pilot, lambda: not tab.busy, what="stop")
+        assert backend.cancelled == [tab.conversation_id]
+        assert not backend.in_flight  # the stream was closed too
+        reply_row = stored(app)[-1]
+        assert reply_row.status == "stopped"
+        assert reply_row.content == tab.last_reply().text != ""
+        assert "stopped" in str(tab.last_reply().query_one(".status").render())
+
+
+async def test_two_tabs_stream_at_the_same_time():
+    app, backend = make_app()
+    backend.hold = asyncio.Event()
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.active_tab
+        await send(pilot, "first tab")
+        await pilot.press("ctrl+t")
+        second = app.active_tab
+        assert second is not first
+        await send(pilot, "second tab")
+        await until(pilot, lambda: len(backend.in_flight) == 2, what="both in flight")
+        assert first.busy and second.busy
+        backend.hold.set()
+        await until(pilot, lambda: not first.busy and not second.busy)
+        assert backend.max_in_flight == 2
+        assert {c["conversation_id"] for c in backend.calls} == {first.conversation_id, second.conversation_id}
+        assert stored(app, first)[-1].status == stored(app, second)[-1].status == "done"
+
+
+async def test_errors_show_in_the_tab_and_lose_nothing():
+    app, backend = make_app()
+    backend.stream_error = "out of KV blocks"
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        reply = await send_and_wait(pilot, "will fail")
+        assert reply.status == "error"
+        assert "out of KV blocks" in str(reply.query_one(".status").render())
+        assert [r.status for r in stored(app)] == ["done", "error"]
+        assert stored(app)[-1].meta["error"] == "out of KV blocks"
+        assert isinstance(tab._messages()[0], UserMessage)  # the message stays on screen
+        # The failed turn is left out of the next prompt.
+        backend.stream_error = None
+        await send_and_wait(pilot, "again")
+        assert [m.content for m in backend.calls[-1]["messages"]] == ["again"]
+
+
+async def test_backend_that_fails_to_start_is_reported():
+    def broken():
+        raise RuntimeError("no torch here")
+
+    app = TuichatApp(broken, Config(), Store())
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "hello?")
+        await until(pilot, lambda: not app.active_tab.busy)
+        reply = app.active_tab.last_reply()
+        assert reply.status == "error" and "no torch here" in reply.error
+        assert "no torch here" in notifications(app)
+
+
+# --- prompt -----------------------------------------------------------------------------------------
+
+
+async def test_up_recalls_earlier_prompts_and_ctrl_j_is_a_newline():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        prompt = app.active_tab.prompt
+        await send_and_wait(pilot, "first")
+        await pilot.press("s", "e", "c", "ctrl+j", "2")
+        assert prompt.text == "sec\n2"
+        await pilot.press("enter")
+        await until(pilot, lambda: not app.active_tab.busy and len(stored(app)) == 4)
+        assert prompt.text == ""
+        await pilot.press("up")
+        assert prompt.text == "sec\n2"
+        await pilot.press("up", "up")  # the first ↑ moves to the entry's first line
+        assert prompt.text == "first"
+        await pilot.press("down")
+        assert prompt.text == "sec\n2"
+        await pilot.press("down")
+        assert prompt.text == ""
+
+
+async def test_a_message_sent_while_a_reply_streams_goes_back_to_the_prompt():
+    app, backend = make_app()
+    backend.hold = asyncio.Event()
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "one")
+        await until(pilot, lambda: app.active_tab.busy)
+        await send(pilot, "two")
+        await pilot.pause(0.05)
+        assert app.active_tab.prompt.text == "two"
+        assert "Esc stops it" in notifications(app)
+        backend.hold.set()
+
+
+# --- redo -------------------------------------------------------------------------------------------
+
+
+async def test_regenerate_replaces_the_last_reply():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "question")
+        old_id = stored(app)[-1].id
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: len(backend.calls) == 2 and not app.active_tab.busy)
+        assert backend.calls[1]["messages"] == backend.calls[0]["messages"]
+        rows = stored(app)
+        assert [r.role for r in rows] == ["user", "assistant"] and rows[-1].id != old_id
+
+
+async def test_edit_last_message_puts_it_back_in_the_prompt():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "first")
+        await send_and_wait(pilot, "secnod")
+        await pilot.press("ctrl+g")
+        prompt = app.active_tab.prompt
+        assert prompt.text == "secnod"
+        assert [r.content for r in stored(app) if r.role == "user"] == ["first"]
+        prompt.text = "second"
+        await pilot.press("enter")
+        await until(pilot, lambda: len(backend.calls) == 3 and not app.active_tab.busy)
+        assert [m.content for m in backend.calls[-1]["messages"] if m.role == "user"] == ["first", "second"]
+
+
+# --- models -----------------------------------------------------------------------------------------
+
+
+async def test_model_switch_applies_to_the_next_reply():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "one")
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, ModelPicker)
+        await pilot.press(*"large", "enter")
+        tab = app.active_tab
+        assert tab.model == "demo-large"
+        assert app.store.conversation(tab.conversation_id).model == "demo-large"
+        assert "demo-large" in str(tab.query_one(".model-bar").render())
+        await send_and_wait(pilot, "two")
+        assert "demo-large" in backend.load_calls
+        assert [c["model"] for c in backend.calls] == ["smollm2-135m", "demo-large"]
+
+
+async def test_a_model_that_does_not_load_is_reported_in_the_reply():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+o", *"no-such-model", "enter")
+        reply = await send_and_wait(pilot, "hello")
+        assert reply.status == "error" and "no-such-model" in reply.error
+        assert "Model did not load" in notifications(app)
+
+
+async def test_sending_during_a_slow_model_load_waits_and_the_ui_keeps_working():
+    app, backend = make_app()
+    backend.load_delay_s = 0.6
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "patience")
+        await pilot.press("ctrl+t")  # the UI answers while the model loads
+        assert len(app.tabs()) == 2
+        await until(pilot, lambda: backend.calls and not any(t.busy for t in app.tabs()))
+        assert backend.load_calls.count("smollm2-135m") == 1  # tabs share one load
+
+
+# --- engine panel, copy, export, help ---------------------------------------------------------------
+
+
+async def test_engine_panel_shows_stats_and_warns_on_kv_use():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "one")
+        await send_and_wait(pilot, "two")
+        await pilot.press("ctrl+b")
+        panel = app.query_one(EnginePanel)
+        assert panel.display
+        text = " ".join(str(s.render()) for s in panel.query("Static"))
+        usage = app.active_tab.last_usage
+        assert usage.cached_tokens > 0
+        assert "smollm2-135m" in text and "KV cache" in text
+        assert f"last turn: {usage.cached_tokens} of {usage.prompt_tokens}" in text
+        assert not panel.query_one("#engine-kv").has_class("-warning")
+        backend.stats = lambda model=None: EngineStats(model="m", kv_blocks_used=90, kv_blocks_total=100)
+        await pilot.pause(0.7)
+        assert panel.query_one("#engine-kv").has_class("-warning")
+        await pilot.press("ctrl+b")
+        assert not panel.display
+
+
+async def test_copy_last_reply_and_code_block_say_osc52():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("alt+c")
+        assert "No reply" in notifications(app)
+        app.backend.replies = [SHORT_REPLIES[0]]  # the one with a code block
+        reply = await send_and_wait(pilot, "code please")
+        await pilot.press("alt+c")
+        assert app.clipboard == reply.text
+        await pilot.press("alt+b")
+        assert app.clipboard == 'print("hi")'
+        assert "OSC 52; some terminals ignore it" in notifications(app)
+
+
+async def test_export_writes_markdown_and_says_where(tuichat_dirs):
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "export me")
+        await pilot.press("ctrl+s")
+        files = list((tuichat_dirs / "data" / "exports").glob("*.md"))
+        assert len(files) == 1 and "export me" in files[0].read_text()
+        assert str(files[0]) in notifications(app)
+
+
+async def test_help_lists_every_binding_with_its_id():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        ids = {row[2] for row in app.screen.rows}
+        assert {b.id for b in TuichatApp.BINDINGS} <= ids and "prompt.newline" in ids
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+# --- settings ---------------------------------------------------------------------------------------
+
+
+async def test_keymap_from_config_rebinds_and_unknown_ids_are_reported():
+    config = Config(keymap={"tab.new": "f5", "tab.nope": "f6"})
+    app, _ = make_app(config=config, warnings=["config.toml: \"x\" must be a number; using the default."])
+    async with app.run_test(size=SIZE) as pilot:
+        text = notifications(app)
+        assert '"x" must be a number' in text and "tab.nope" in text
+        await pilot.press("f5")
+        assert len(app.tabs()) == 2
+
+
+async def test_theme_choice_persists_across_restarts():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE):
+        assert app.theme == "tuichat-dark"
+        app.theme = "tuichat-light"
+    assert Store().get_setting("theme") == "tuichat-light"
+    app, _ = make_app()
+    async with app.run_test(size=SIZE):
+        assert app.theme == "tuichat-light"
+
+
+async def test_broken_theme_file_and_unknown_theme_fall_back_with_notifications(tuichat_dirs):
+    themes = tuichat_dirs / "config" / "themes"
+    themes.mkdir(parents=True)
+    (themes / "broken.toml").write_text('name = "broken"\nprimary = "not a colour"\n')
+    Store().set_setting("theme", "gone")
+    app, _ = make_app()
+    async with app.run_test(size=SIZE):
+        text = notifications(app)
+        assert "broken.toml" in text and '"gone" not found' in text
+        assert app.theme == "tuichat-dark"
+
+
+# --- history ----------------------------------------------------------------------------------------
+
+
+async def test_open_tabs_and_the_active_one_come_back_after_a_restart():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "kept one")
+        await pilot.press("ctrl+t")
+        await send_and_wait(pilot, "kept two")
+        await pilot.press("ctrl+t")
+        await pilot.press("ctrl+t", "alt+w")  # a closed tab does not come back
+        await pilot.press("f2", "ctrl+a", "ctrl+k", *"renamed", "enter")
+        await pilot.press("ctrl+pageup")
+    app.store.close()
+    app, _ = make_app()
+    async with app.run_test(size=SIZE):
+        tabs = app.tabs()
+        assert [t.title for t in tabs] == ["kept one", "kept two", "renamed"]
+        assert app.active_tab is tabs[1]
+        assert [type(w).__name__ for w in tabs[1]._messages()] == ["UserMessage", "AssistantMessage"]
+        assert tabs[0].meter._history  # the TTFT sparkline comes back too
+
+
+async def test_search_opens_the_hit_in_a_tab():
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "the word zanzibar is here")
+        conversation = app.active_tab.conversation_id
+        await pilot.press("alt+w")  # closed: search must reopen it
+        assert app.active_tab.conversation_id != conversation
+        await pilot.press("ctrl+f")
+        assert isinstance(app.screen, SearchScreen)
+        await pilot.press(*"zanzib")
+        await until(pilot, lambda: app.screen.query_one("OptionList").option_count > 0, what="hits")
+        await pilot.press("enter")
+        await until(pilot, lambda: app.active_tab.conversation_id == conversation, what="hit opened")
+        message_id = app.store.messages(conversation)[0].id
+        await until(pilot, lambda: app.active_tab.query_one(f"#msg-{message_id}").has_class("-found"))
+
+
+async def test_sampling_is_per_tab_and_passed_to_the_backend():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f3")
+        app.screen.query_one("#temperature").value = "0.7"
+        app.screen.query_one("#seed").value = "42"
+        app.screen.query_one("#temperature").focus()
+        await pilot.press("enter")
+        await send_and_wait(pilot, "creative")
+        params = backend.calls[-1]["params"]
+        assert (params.temperature, params.seed) == (0.7, 42)
+        assert "temp 0.7" in str(app.active_tab.query_one(".model-bar").render())
+        await pilot.press("ctrl+t")
+        await send_and_wait(pilot, "default")
+        assert backend.calls[-1]["params"] == Config().sampling

@@ -1,0 +1,1 @@
+"""The Textual front end. `tuichat.ui.app.run_tui` starts it; nothing in this package imports torch."""

@@ -1,0 +1,504 @@
+"""The Textual app: tabs of conversations over one Backend.
+
+Start-up never waits for the engine: the backend factory (which imports torch) runs in a thread worker and
+the model loads in an async worker, so the first frame paints at once and the user can type meanwhile; a
+message sent early waits for the load, with the meter counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Callable, Iterable
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, TabbedContent
+from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
+
+from tuichat import paths
+from tuichat.backend import Backend, BackendError
+from tuichat.config import Config
+from tuichat.store import ConversationRow, Store
+from tuichat.themes import load_themes
+from tuichat.ui.chat import NEW_TITLE, ChatTab, sampling_key, stored_sampling
+from tuichat.ui.screens import HelpScreen, ModelPicker, RenameScreen, SamplingScreen, SearchScreen
+from tuichat.ui.widgets import EnginePanel, Prompt
+
+FALLBACK_THEME = "textual-dark"
+ENGINE_POLL_S = 0.5
+TAB_ACTIONS = {"new_tab", "close_tab", "next_tab", "previous_tab"}
+
+
+class TuichatApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "tuichat"
+
+    # Keys chosen to survive terminals: no ctrl+m/ctrl+i (they are Enter/Tab), no ctrl+w/ctrl+y/ctrl+e
+    # (the prompt's TextArea uses them for editing). Every binding has an id, so [keymap] can rebind it.
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True, id="app.quit"),
+        Binding("f1", "help", "Keys", id="app.help"),
+        Binding("escape", "stop", "Stop", id="reply.stop"),
+        # priority: the action runs before the keys typed after it are delivered, so those land in the
+        # prompt of the tab switched to, not in the one left behind.
+        Binding("ctrl+t", "new_tab", "New tab", priority=True, id="tab.new"),
+        Binding("alt+w", "close_tab", "Close tab", priority=True, id="tab.close"),
+        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False, priority=True, id="tab.next"),
+        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False, priority=True, id="tab.previous"),
+        Binding("f2", "rename", "Rename", show=False, id="tab.rename"),
+        Binding("f3", "sampling", "Sampling", show=False, id="tab.sampling"),
+        Binding("ctrl+o", "pick_model", "Model", id="model.pick"),
+        Binding("ctrl+b", "toggle_engine", "Engine", id="engine.toggle"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, id="reply.regenerate"),
+        Binding("ctrl+g", "edit_last", "Edit last", show=False, id="reply.edit"),
+        Binding("alt+c", "copy_reply", "Copy reply", show=False, id="copy.reply"),
+        Binding("alt+b", "copy_code", "Copy code", show=False, id="copy.code"),
+        Binding("ctrl+f", "search", "Search", id="history.search"),
+        Binding("ctrl+s", "export", "Export", show=False, id="history.export"),
+        Binding("f8", "change_theme", "Theme", show=False, id="app.theme"),
+    ]
+
+    def __init__(
+        self,
+        backend_factory: Callable[[], Backend],
+        config: Config,
+        store: Store,
+        warnings: list[str] = [],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.store = store
+        self.clock = clock  # tests and screenshots pass a virtual clock so the meter's numbers are fixed
+        self._backend_factory = backend_factory
+        self._warnings = list(warnings)
+        self.backend: Backend | None = None
+        self._backend_ready = asyncio.Event()
+        self._backend_error: str | None = None
+        self._loads: dict[str, Worker[str]] = {}  # model spec -> its load (shared by the tabs that wait)
+        self._model_states: dict[str, str] = {}  # model spec -> "loading 40% · ..." / "load failed: ..."
+        self._canonical: dict[str, str] = {}  # model spec -> the name backend.load returned
+        self.known_models: dict[str, str] = {spec: "from config" for spec in config.models}
+        self._theme_ready = False
+
+    # --- start-up -----------------------------------------------------------------------------------
+
+    def compose(self):
+        rows = self.store.conversations(open_only=True)
+        if not rows:
+            rows = [self.store.conversation(self.store.create_conversation(NEW_TITLE, self.config.model))]
+        active = self.store.get_setting("active_conversation")
+        initial = f"conv-{active}" if active in {row.id for row in rows} else f"conv-{rows[0].id}"
+        with Horizontal(id="main"):
+            with TabbedContent(initial=initial, id="tabs"):
+                for row in rows:
+                    yield self._make_tab(row)
+            yield EnginePanel(id="engine-panel")
+        yield Footer()
+
+    def _make_tab(self, row: ConversationRow) -> ChatTab:
+        sampling = stored_sampling(self.store.get_setting(sampling_key(row.id)), self.config.sampling)
+        return ChatTab(row.id, row.title, row.model, sampling, self.store.messages(row.id))
+
+    def on_mount(self) -> None:
+        for warning in self._warnings:
+            self.notify(warning, title="Settings", severity="warning", timeout=10)
+        self._apply_keymap()
+        self._apply_themes()
+        self._engine_timer = self.set_interval(ENGINE_POLL_S, self._refresh_engine_panel, pause=True)
+        self._create_backend()
+        self.active_tab.prompt.focus()
+
+    def _apply_keymap(self) -> None:
+        known = {binding.id for binding in [*self.BINDINGS, *Prompt.BINDINGS]}
+        unknown = sorted(set(self.config.keymap) - known)
+        if unknown:
+            self.notify(
+                f"Unknown binding ids in [keymap]: {', '.join(unknown)}. Known: {', '.join(sorted(known))}.",
+                title="Settings",
+                severity="warning",
+                timeout=10,
+            )
+        self.set_keymap({key: value for key, value in self.config.keymap.items() if key in known})
+
+    def _apply_themes(self) -> None:
+        themes, warnings = load_themes()
+        for warning in warnings:
+            self.notify(warning, title="Theme", severity="warning", timeout=10)
+        for theme in themes:
+            self.register_theme(theme)
+        wanted = self.store.get_setting("theme") or self.config.theme
+        if wanted not in self.available_themes:
+            fallback = self.config.theme if self.config.theme in self.available_themes else FALLBACK_THEME
+            self.notify(f'Theme "{wanted}" not found; using "{fallback}".', title="Theme", severity="warning")
+            wanted = fallback
+        self.theme = wanted
+        self._theme_ready = True
+
+    def watch_theme(self, theme: str) -> None:
+        if self._theme_ready:
+            self.store.set_setting("theme", theme)
+
+    @work(thread=True, exit_on_error=False, group="startup")
+    def _create_backend(self) -> None:
+        try:
+            backend = self._backend_factory()
+        except Exception as error:
+            self.call_from_thread(self._backend_failed, f"{type(error).__name__}: {error}")
+        else:
+            self.call_from_thread(self._backend_created, backend)
+
+    def _backend_created(self, backend: Backend) -> None:
+        self.backend = backend
+        self._backend_ready.set()
+        self._refresh_model_bars()
+        self._preload(self.active_tab.model)
+        self._list_models()
+
+    def _backend_failed(self, error: str) -> None:
+        self._backend_error = f"The engine did not start: {error}"
+        self._backend_ready.set()
+        self.notify(self._backend_error, title="Engine", severity="error", timeout=30)
+        self._refresh_model_bars()
+
+    async def on_unmount(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
+
+    # --- models -------------------------------------------------------------------------------------
+
+    async def wait_for_backend(self) -> Backend:
+        await self._backend_ready.wait()
+        if self.backend is None:
+            raise BackendError(self._backend_error or "The engine did not start.")
+        return self.backend
+
+    async def ensure_model(self, spec: str) -> str:
+        """Load `spec` once (tabs asking at the same time share the load) and return its canonical name."""
+        backend = await self.wait_for_backend()
+        load = self._loads.get(spec)
+        if load is None or load.state in (WorkerState.ERROR, WorkerState.CANCELLED):
+            load = self.run_worker(self._load_model(backend, spec), group="load", exit_on_error=False)
+            self._loads[spec] = load
+        try:
+            # shield: Esc in one tab cancels its wait, not the load another tab may be waiting for too.
+            return await asyncio.shield(load.wait())
+        except WorkerFailed as failed:
+            error = failed.error
+            raise error if isinstance(error, BackendError) else BackendError(f"{spec}: {error}") from error
+        except WorkerCancelled:
+            raise BackendError(f"Loading {spec} was cancelled.") from None
+
+    async def _load_model(self, backend: Backend, spec: str) -> str:
+        loop = asyncio.get_running_loop()
+
+        def progress(what: str, fraction: float | None) -> None:
+            # Called from the loader's thread or from the loop: call_soon_threadsafe serves both.
+            try:
+                loop.call_soon_threadsafe(self._show_progress, spec, what, fraction)
+            except RuntimeError:  # the app has quit while the model was loading
+                pass
+
+        self._set_model_state(spec, "loading…")
+        try:
+            name = await backend.load(spec, progress)
+        except Exception as error:
+            self._set_model_state(spec, f"load failed: {error}")
+            self.notify(f"{spec}: {error}", title="Model did not load", severity="error", timeout=15)
+            raise
+        self._canonical[spec] = name
+        self._set_model_state(spec, "")
+        return name
+
+    def _show_progress(self, spec: str, what: str, fraction: float | None) -> None:
+        if self._loads.get(spec) is not None and self._loads[spec].state == WorkerState.RUNNING:
+            percent = "" if fraction is None else f" {fraction:.0%}"
+            self._set_model_state(spec, f"loading{percent} · {what}")
+
+    def _set_model_state(self, spec: str, state: str) -> None:
+        self._model_states[spec] = state
+        self._refresh_model_bars()
+
+    def model_state(self, spec: str) -> str:
+        if not self._backend_ready.is_set():
+            return "starting the engine…"
+        if self.backend is None:
+            return "engine failed"
+        return self._model_states.get(spec, "")
+
+    def model_name(self, spec: str) -> str:
+        return self._canonical.get(spec, spec)
+
+    def _refresh_model_bars(self) -> None:
+        for tab in self.query(ChatTab):
+            tab.refresh_model_bar()
+        self.sub_title = self.model_name(self.active_tab.model) if self.is_mounted else ""
+
+    @work(group="preload", exit_on_error=False)
+    async def _preload(self, spec: str) -> None:
+        try:
+            await self.ensure_model(spec)
+        except BackendError:
+            pass  # _load_model has said so; the tab's next reply will say it again in place
+
+    @work(thread=True, group="models", exit_on_error=False)
+    def _list_models(self) -> dict[str, str]:
+        # A thread: listing may scan the Hugging Face cache on disk.
+        found = {info.spec: info.description or info.kind for info in self.backend.list_models()}
+        self.call_from_thread(self._add_known_models, found)
+        return found
+
+    def _add_known_models(self, found: dict[str, str]) -> None:
+        for spec, description in found.items():
+            self.known_models.setdefault(spec, description)
+        if isinstance(self.screen, ModelPicker):
+            self.screen.add_models(found)
+
+    def switch_model(self, tab: ChatTab, spec: str) -> None:
+        if spec == tab.model:
+            return
+        tab.set_model(spec)
+        self._refresh_model_bars()
+        if self._backend_error is None:
+            self._preload(spec)
+        self.notify(f"{tab.title}: next reply from {spec}.", title="Model")
+
+    # --- tabs ---------------------------------------------------------------------------------------
+
+    @property
+    def tabbed(self) -> TabbedContent:
+        return self.query_one("#tabs", TabbedContent)
+
+    @property
+    def active_tab(self) -> ChatTab:
+        return self.tabbed.active_pane  # type: ignore[return-value]
+
+    def tabs(self) -> list[ChatTab]:
+        return list(self.query(ChatTab))
+
+    def _save_tab_order(self) -> None:
+        for position, tab in enumerate(self.tabs()):
+            self.store.set_open(tab.conversation_id, True, position=position)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        tab = event.pane
+        # The event may be stale (fast tab keys): focusing its prompt would switch back to it.
+        if isinstance(tab, ChatTab) and tab is self.tabbed.active_pane:
+            self.screen.set_focus(tab.prompt)
+            self.store.set_setting("active_conversation", tab.conversation_id)
+            self.sub_title = self.model_name(tab.model)
+            if self.query_one(EnginePanel).display:
+                self._refresh_engine_panel()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Tab keys are priority bindings, which would otherwise act under an open dialog.
+        return not (action in TAB_ACTIONS and isinstance(self.screen, ModalScreen))
+
+    def activate(self, tab: ChatTab) -> None:
+        self.tabbed.active = tab.id
+        # Not tab.prompt.focus(): that is queued behind keys the user may already have typed.
+        self.screen.set_focus(tab.prompt)
+
+    async def open_tab(self, row: ConversationRow) -> ChatTab:
+        tab = self._make_tab(row)
+        await self.tabbed.add_pane(tab)
+        self.activate(tab)
+        self._save_tab_order()
+        return tab
+
+    async def action_new_tab(self) -> None:
+        conversation_id = self.store.create_conversation(NEW_TITLE, self.config.model)
+        tab = await self.open_tab(self.store.conversation(conversation_id))
+        self._preload(tab.model)
+
+    async def action_close_tab(self) -> None:
+        tab = self.active_tab
+        tab.stop()
+        self.store.set_open(tab.conversation_id, False)
+        await self.tabbed.remove_pane(tab.id)
+        self.notify(f'Closed "{tab.title}"; search (ctrl+f) finds it again.')
+        if not self.tabs():
+            await self.action_new_tab()
+        else:
+            self.activate(self.active_tab)
+            self._save_tab_order()
+
+    def action_next_tab(self, step: int = 1) -> None:
+        tabs = self.tabs()
+        self.activate(tabs[(tabs.index(self.active_tab) + step) % len(tabs)])
+
+    def action_previous_tab(self) -> None:
+        self.action_next_tab(-1)
+
+    def action_rename(self) -> None:
+        tab = self.active_tab
+
+        def renamed(title: str | None) -> None:
+            if title:
+                tab.rename(title)
+
+        self.push_screen(RenameScreen(tab.title), renamed)
+
+    def action_sampling(self) -> None:
+        tab = self.active_tab
+
+        def chosen(sampling) -> None:
+            if sampling is not None:
+                tab.set_sampling(sampling)
+
+        self.push_screen(SamplingScreen(tab.sampling), chosen)
+
+    # --- replies ------------------------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        self.active_tab.stop()
+
+    async def action_regenerate(self) -> None:
+        await self.active_tab.regenerate()
+
+    async def action_edit_last(self) -> None:
+        await self.active_tab.edit_last()
+
+    def copy(self, text: str, what: str) -> None:
+        self.copy_to_clipboard(text)
+        # OSC 52 has no reply: the terminal may ignore it (or need it enabled), so do not claim success.
+        self.notify(f"Sent {what} ({len(text):,} characters) via OSC 52; some terminals ignore it.", title="Copy")
+
+    def action_copy_reply(self) -> None:
+        reply = self.active_tab.last_reply()
+        if reply is None or not reply.text:
+            self.notify("No reply to copy yet.", severity="warning")
+        else:
+            self.copy(reply.text, "the last reply")
+
+    def action_copy_code(self, index: int = -1) -> None:
+        reply = self.active_tab.last_reply()
+        blocks = reply.code_blocks() if reply is not None else []
+        if not blocks:
+            self.notify("The last reply has no code block.", severity="warning")
+        else:
+            self.copy(blocks[index].code, "the code block")
+
+    # --- dialogs ------------------------------------------------------------------------------------
+
+    def action_pick_model(self) -> None:
+        tab = self.active_tab
+        models = {tab.model: "this tab", self.config.model: "default for new tabs", **self.known_models}
+
+        def chosen(spec: str | None) -> None:
+            if spec:
+                self.switch_model(tab, spec)
+
+        self.push_screen(ModelPicker(models, tab.model), chosen)
+        if self.backend is not None:
+            self._list_models()
+
+    def action_search(self) -> None:
+        async def chosen(hit) -> None:
+            if hit is not None:
+                await self.open_conversation(hit.conversation_id, hit.message_id)
+
+        self.push_screen(SearchScreen(), chosen)
+
+    async def open_conversation(self, conversation_id: str, message_id: int | None = None) -> None:
+        tab = next((t for t in self.tabs() if t.conversation_id == conversation_id), None)
+        if tab is None:
+            self.store.set_open(conversation_id, True)
+            tab = await self.open_tab(self.store.conversation(conversation_id))
+        else:
+            self.activate(tab)
+        if message_id is not None:
+            tab.call_after_refresh(tab.reveal, message_id)
+
+    def action_export(self) -> None:
+        tab = self.active_tab
+        folder = paths.data_dir() / "exports"
+        slug = re.sub(r"[^\w-]+", "-", tab.title).strip("-")[:40] or "conversation"
+        path = folder / f"{slug}-{tab.conversation_id[:8]}.md"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.store.export_markdown(tab.conversation_id), encoding="utf-8")
+        except OSError as error:
+            self.notify(f"Export failed: {error}", severity="error")
+        else:
+            self.notify(str(path), title="Exported", timeout=10)
+
+    def action_help(self) -> None:
+        rows = [
+            (self._keys_display(binding), binding.description, binding.id or "")
+            for binding in [*Prompt.BINDINGS, *self.BINDINGS]
+        ]
+        rows.insert(2, ("↑ / ↓", "Earlier prompts (in an empty prompt)", ""))
+        rows.append((self._keys_display(Binding(self.COMMAND_PALETTE_BINDING, "")), "Command palette", ""))
+        self.push_screen(HelpScreen(rows))
+
+    def _keys_display(self, binding: Binding) -> str:
+        keys = self._keymap.get(binding.id, binding.key) if binding.id else binding.key
+        return ", ".join(self.get_key_display(Binding(key.strip(), "")) for key in keys.split(","))
+
+    def action_toggle_engine(self) -> None:
+        panel = self.query_one(EnginePanel)
+        panel.display = not panel.display
+        if panel.display:
+            self._refresh_engine_panel()
+            self._engine_timer.resume()
+        else:
+            self._engine_timer.pause()
+
+    def _refresh_engine_panel(self) -> None:
+        panel = self.query_one(EnginePanel)
+        tab = self.active_tab
+        if self.backend is None:
+            panel.show(None, None, self._backend_error or "starting the engine…")
+            return
+        try:
+            stats = self.backend.stats(self._canonical.get(tab.model))
+        except Exception as error:  # stats of a model that failed to load, for one
+            panel.show(None, None, str(error))
+            return
+        panel.show(stats, tab.last_usage)
+
+    # --- command palette ----------------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New tab", "A new conversation", self.action_new_tab)
+        yield SystemCommand("Close tab", "Close this conversation (search finds it again)", self.action_close_tab)
+        yield SystemCommand("Rename tab", "Rename this conversation", self.action_rename)
+        yield SystemCommand("Sampling", "Temperature, top-p, top-k, max tokens, seed of this tab", self.action_sampling)
+        yield SystemCommand("Switch model", "Pick the model of this tab's next reply", self.action_pick_model)
+        for spec in self.known_models:
+            yield SystemCommand(
+                f"Model: {spec}", "Use it for this tab's next reply", lambda s=spec: self.switch_model(self.active_tab, s), discover=False
+            )
+        yield SystemCommand("Stop reply", "Stop the reply in flight; its text stays", self.action_stop)
+        yield SystemCommand("Regenerate reply", "Answer the last message again", self.action_regenerate)
+        yield SystemCommand("Edit last message", "Back into the prompt, to change and resend", self.action_edit_last)
+        yield SystemCommand("Copy last reply", "Via OSC 52", self.action_copy_reply)
+        reply = self.active_tab.last_reply() if self.is_mounted else None
+        for index, block in enumerate(reply.code_blocks() if reply else []):
+            lines = block.code.count("\n") + 1
+            yield SystemCommand(
+                f"Copy code block {index + 1}",
+                f"{block.lexer or 'text'}, {lines} lines, from the last reply",
+                lambda i=index: self.action_copy_code(i),
+            )
+        yield SystemCommand("Search history", "Full-text search over every conversation", self.action_search)
+        yield SystemCommand("Export conversation", "Write this conversation to a Markdown file", self.action_export)
+        yield SystemCommand("Engine panel", "Show or hide the engine's batching and cache stats", self.action_toggle_engine)
+        yield SystemCommand("All keys", "Every key binding and its id for [keymap]", self.action_help)
+
+
+def run_tui(
+    backend_factory: Callable[[], Backend], config: Config, store: Store, warnings: list[str]
+) -> None:
+    try:
+        TuichatApp(backend_factory, config, store, warnings).run()
+    finally:
+        store.close()

@@ -1,0 +1,424 @@
+"""One conversation tab: its messages, the turn in flight, its meter and its prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
+
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.css.query import NoMatches
+from textual.widgets import Markdown, Static, TabbedContent, TabPane
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
+from textual.worker import Worker
+
+from tuichat.backend import BackendError, Message, SamplingParams, Usage
+from tuichat.ui.widgets import ModelBar, Prompt, TtftMeter
+
+if TYPE_CHECKING:
+    from tuichat.store import MessageRow
+    from tuichat.ui.app import TuichatApp
+
+FLUSH_S = 1.0  # how often a streaming reply is written to the store, so a crash loses at most this much
+NEW_TITLE = "New chat"
+TITLE_CHARS = 40
+
+
+def sampling_key(conversation_id: str) -> str:
+    return f"sampling.{conversation_id}"
+
+
+class UserMessage(Static):
+    def __init__(self, text: str, message_id: int | None) -> None:
+        super().__init__(text, markup=False, classes="message user")
+        self.text = text
+        self.message_id = message_id
+        if message_id is not None:
+            self.id = f"msg-{message_id}"
+
+
+class AssistantMessage(Vertical):
+    """A reply: Markdown (code highlighted by Textual's fences) that grows chunk by chunk while streaming,
+    then renders once in full; a status line when it stopped or failed."""
+
+    STATUS_LABELS = {"stopped": "⏹ stopped"}
+
+    def __init__(
+        self,
+        text: str = "",
+        *,
+        status: str = "done",
+        message_id: int | None = None,
+        model: str = "",
+        error: str | None = None,
+    ) -> None:
+        super().__init__(classes="message assistant")
+        self._chunks = [text] if text else []
+        self.status = status
+        self.message_id = message_id
+        self.model = model
+        self.error = error
+        self._stream: MarkdownStream | None = None
+        if message_id is not None:
+            self.id = f"msg-{message_id}"
+
+    def compose(self):
+        yield Static(self.model, classes="role", markup=False)
+        yield Markdown(self.text)
+        yield Static(classes="status", markup=False)
+
+    def on_mount(self) -> None:
+        self._show_status()
+
+    @property
+    def text(self) -> str:
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    @property
+    def has_text(self) -> bool:
+        return bool(self._chunks)
+
+    def set_model(self, model: str) -> None:
+        self.model = model
+        self.query_one(".role", Static).update(model)
+
+    async def append(self, text: str) -> None:
+        """Add a chunk. MarkdownStream re-parses only the last block and merges chunks that arrive while
+        the widget is busy, so a token costs the same at the end of a long reply as at the start."""
+        self._chunks.append(text)
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(Markdown))
+        await self._stream.write(text)
+
+    async def finish(self, status: str, error: str | None = None) -> None:
+        self.status, self.error = status, error
+        if self._stream is not None:
+            await self._stream.stop()  # writes any chunks still pending: the last tokens are never dropped
+            self._stream = None
+            # One full render: the incremental parse can leave a block split differently than a fresh one.
+            await self.query_one(Markdown).update(self.text)
+        self._show_status()
+
+    def _show_status(self) -> None:
+        status = self.query_one(".status", Static)
+        if self.status == "error":
+            status.update(f"⚠ {self.error or 'failed'}")
+        else:
+            status.update(self.STATUS_LABELS.get(self.status, ""))
+        for name in ("stopped", "error"):
+            self.set_class(self.status == name, f"-{name}")
+
+    def code_blocks(self) -> list[MarkdownFence]:
+        return list(self.query(MarkdownFence))
+
+
+class ChatTab(TabPane):
+    """A conversation. Its turns run in a worker of their own, so tabs stream at the same time and the
+    engine batches them."""
+
+    def __init__(
+        self,
+        conversation_id: str,
+        title: str,
+        model: str,
+        sampling: SamplingParams,
+        rows: list[MessageRow] = (),
+    ) -> None:
+        super().__init__(title, id=f"conv-{conversation_id}")
+        self.conversation_id = conversation_id
+        self.title = title
+        self.model = model
+        self.sampling = sampling
+        self._rows = list(rows)
+        self._turn: Worker | None = None
+        self._stop_requested = False
+        self.last_usage: Usage | None = None
+        ttft = [row.meta["ttft_ms"] for row in self._rows if row.meta.get("ttft_ms") is not None]
+        self.meter = TtftMeter(ttft, classes="meter")
+        self.model_bar = ModelBar(classes="model-bar")
+        self.prompt = Prompt([row.content for row in self._rows if row.role == "user"], classes="prompt")
+        for row in reversed(self._rows):
+            if row.role == "assistant" and row.meta.get("prompt_tokens"):
+                self.last_usage = Usage(
+                    prompt_tokens=row.meta["prompt_tokens"], cached_tokens=row.meta.get("cached_tokens", 0)
+                )
+                break
+
+    @property
+    def app(self) -> TuichatApp:  # type: ignore[override]
+        return super().app  # type: ignore[return-value]
+
+    def compose(self):
+        yield self.model_bar
+        with VerticalScroll(classes="log"):
+            for row in self._rows:
+                if row.role == "user":
+                    yield UserMessage(row.content, row.id)
+                elif row.role == "assistant":
+                    yield AssistantMessage(
+                        row.content,
+                        status=row.status,
+                        message_id=row.id,
+                        model=row.meta.get("model", ""),
+                        error=row.meta.get("error"),
+                    )
+        yield self.meter
+        yield self.prompt
+
+    def on_mount(self) -> None:
+        self._rows.clear()  # only needed to compose
+        self.log_view.anchor()  # follow new text until the user scrolls up; resumes at the bottom
+        self.refresh_model_bar()
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".log", VerticalScroll)
+
+    @property
+    def busy(self) -> bool:
+        return self._turn is not None and self._turn.is_running
+
+    # --- labels -------------------------------------------------------------------------------------
+
+    def refresh_model_bar(self) -> None:
+        sampling = self.sampling
+        knobs = [f"temp {sampling.temperature:g}"]
+        if sampling.top_p < 1:
+            knobs.append(f"top-p {sampling.top_p:g}")
+        if sampling.top_k:
+            knobs.append(f"top-k {sampling.top_k}")
+        knobs.append(f"max {sampling.max_tokens}")
+        if sampling.seed is not None:
+            knobs.append(f"seed {sampling.seed}")
+        state = self.app.model_state(self.model)
+        self.model_bar.update(
+            Content.assemble(
+                ("◆ ", "$accent"),
+                (self.app.model_name(self.model), "bold"),
+                (f"  {state}" if state else "", "$warning" if state else ""),
+                ("   " + " · ".join(knobs), "dim"),
+            )
+        )
+
+    def _refresh_label(self) -> None:
+        try:
+            tab = self.app.query_one(TabbedContent).get_tab(self)
+        except NoMatches:
+            return
+        tab.label = Content.assemble(("● ", "$success") if self.busy else "", self.title)
+
+    def rename(self, title: str) -> None:
+        self.title = title
+        self.app.store.rename(self.conversation_id, title)
+        self._refresh_label()
+
+    def set_model(self, model: str) -> None:
+        self.model = model
+        self.app.store.set_model(self.conversation_id, model)
+        self.refresh_model_bar()
+
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        data = asdict(sampling)
+        data["stop"] = list(sampling.stop)
+        self.app.store.set_setting(sampling_key(self.conversation_id), json.dumps(data))
+        self.refresh_model_bar()
+
+    # --- messages -----------------------------------------------------------------------------------
+
+    def _messages(self) -> list[UserMessage | AssistantMessage]:
+        return [w for w in self.log_view.children if isinstance(w, (UserMessage, AssistantMessage))]
+
+    def last_reply(self) -> AssistantMessage | None:
+        replies = [w for w in self._messages() if isinstance(w, AssistantMessage)]
+        return replies[-1] if replies else None
+
+    def _conversation_so_far(self) -> list[Message]:
+        """What the model sees: the system prompt and every turn, except failed ones (a failed reply and
+        the user message it answered, which usually comes back edited or resent)."""
+        system = self.app.config.system_prompt
+        context = [Message("system", system)] if system else []
+        messages = self._messages()
+        for index, widget in enumerate(messages):
+            following = messages[index + 1] if index + 1 < len(messages) else None
+            if isinstance(widget, UserMessage):
+                if not (isinstance(following, AssistantMessage) and following.status == "error"):
+                    context.append(Message("user", widget.text))
+            elif widget.status != "error" and widget.text:
+                context.append(Message("assistant", widget.text))
+        return context
+
+    def reveal(self, message_id: int) -> None:
+        try:
+            widget = self.log_view.query_one(f"#msg-{message_id}")
+        except NoMatches:
+            return
+        self.log_view.scroll_to_center(widget, animate=False)
+        widget.add_class("-found")
+        self.set_timer(3, lambda: widget.remove_class("-found"))
+
+    # --- turns --------------------------------------------------------------------------------------
+
+    async def on_prompt_submitted(self, event: Prompt.Submitted) -> None:
+        event.stop()
+        if self.busy:
+            self.prompt.restore(event.text)
+            self.app.notify("A reply is still coming: Esc stops it.", severity="warning")
+            return
+        await self.send(event.text, event.t_enter)
+
+    async def send(self, text: str, t_enter: float) -> None:
+        store = self.app.store
+        message_id = store.add_message(self.conversation_id, "user", text)
+        if self.title == NEW_TITLE:
+            first_line = text.strip().splitlines()[0]
+            self.rename(first_line[:TITLE_CHARS] + ("…" if len(first_line) > TITLE_CHARS else ""))
+        await self.log_view.mount(UserMessage(text, message_id))
+        await self._reply(t_enter)
+
+    async def _reply(self, t_enter: float) -> None:
+        context = self._conversation_so_far()
+        reply = AssistantMessage(status="streaming", model=self.app.model_name(self.model))
+        await self.log_view.mount(reply)
+        self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
+        self.meter.start(t_enter)
+        self._stop_requested = False
+        self._turn = self.run_worker(self._stream_reply(reply, context), group="turn", exit_on_error=False)
+        self._refresh_label()
+
+    async def _stream_reply(self, reply: AssistantMessage, context: list[Message]) -> None:
+        app, store = self.app, self.app.store
+        clock = app.clock
+        reply.message_id = store.add_message(
+            self.conversation_id, "assistant", "", status="streaming", meta={"model": self.model}
+        )
+        usage: Usage | None = None
+        error: str | None = None
+        try:
+            model = await app.ensure_model(self.model)
+            reply.set_model(model)
+            stream = app.backend.stream(str(self.conversation_id), context, self.sampling, model=model)
+            last_flush = clock()
+            try:
+                async for event in stream:
+                    if event.text:
+                        first = not reply.has_text
+                        await reply.append(event.text)
+                        self.meter.chunk(event.usage.completion_tokens)
+                        if first:
+                            self.call_after_refresh(self.meter.first_token_painted)
+                        if clock() - last_flush >= FLUSH_S:
+                            store.update_message(reply.message_id, content=reply.text)
+                            last_flush = clock()
+                    if event.error:
+                        error = event.error
+                    if event.finished:
+                        usage = event.usage
+                        break
+            finally:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        except asyncio.CancelledError:
+            if not self._stop_requested:  # the app is quitting or the tab closing: save, skip the UI
+                store.update_message(reply.message_id, content=reply.text, status="stopped")
+                raise
+        except BackendError as failure:
+            error = str(failure)
+        except Exception as failure:  # a backend bug must not take the app (and the typed text) down
+            error = f"{type(failure).__name__}: {failure}"
+        if error:
+            status = "error"
+        elif self._stop_requested or (usage is not None and usage.finish_reason == "cancelled"):
+            status = "stopped"
+        else:
+            status = "done"
+        self.meter.finish(usage)
+        store.update_message(reply.message_id, content=reply.text, status=status, meta=self._meta(usage, error))
+        if usage is not None:
+            self.last_usage = usage
+        await reply.finish(status, error)
+        if error and not reply.text:
+            app.notify(error, title="Reply failed", severity="error")
+        self._turn = None
+        self._refresh_label()
+
+    def _meta(self, usage: Usage | None, error: str | None) -> dict:
+        meta: dict = {"model": self.model}
+        turn = self.meter.turn
+        if turn is not None:
+            for name in ("ttft_ms", "itl_ms", "tokens_per_s"):
+                if getattr(turn, name) is not None:
+                    meta[name] = round(getattr(turn, name), 1)
+        if usage is not None:
+            meta |= {
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "finish_reason": usage.finish_reason,
+            }
+        if error:
+            meta["error"] = error
+        return meta
+
+    def stop(self) -> bool:
+        """Stop the reply in flight; its text so far stays, marked stopped. False if there was none."""
+        if not self.busy:
+            return False
+        self._stop_requested = True
+        if self.app.backend is not None:
+            self.app.backend.cancel(str(self.conversation_id))
+        self._turn.cancel()
+        return True
+
+    async def regenerate(self) -> None:
+        if self.busy:
+            self.app.notify("A reply is still coming: Esc stops it first.", severity="warning")
+            return
+        messages = self._messages()
+        if not messages or not isinstance(messages[-1], AssistantMessage):
+            self.app.notify("No reply to regenerate.", severity="warning")
+            return
+        last = messages[-1]
+        if last.message_id is not None:
+            self.app.store.delete_message(last.message_id)
+        await last.remove()
+        await self._reply(self.app.clock())
+
+    async def edit_last(self) -> None:
+        """Take the last user message (and the reply to it) back into the prompt, to change and resend."""
+        if self.busy:
+            self.app.notify("A reply is still coming: Esc stops it first.", severity="warning")
+            return
+        if self.prompt.text.strip():
+            self.app.notify("The prompt holds a draft: send or clear it first.", severity="warning")
+            return
+        messages = self._messages()
+        users = [index for index, w in enumerate(messages) if isinstance(w, UserMessage)]
+        if not users:
+            self.app.notify("No message to edit.", severity="warning")
+            return
+        tail = messages[users[-1] :]
+        for widget in tail:
+            if widget.message_id is not None:
+                self.app.store.delete_message(widget.message_id)
+        self.prompt.text = tail[0].text
+        self.prompt.move_cursor(self.prompt.document.end)
+        self.prompt.focus()
+        await self.log_view.remove_children(tail)
+
+
+def stored_sampling(raw: str | None, default: SamplingParams) -> SamplingParams:
+    """A tab's sampling from the store; anything unreadable gives the configured default."""
+    if not raw:
+        return default
+    try:
+        data = json.loads(raw)
+        data["stop"] = tuple(data.get("stop", ()))
+        return replace(default, **data)
+    except (ValueError, TypeError):
+        return default

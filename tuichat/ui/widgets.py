@@ -1,0 +1,287 @@
+"""Small widgets of a chat tab and the app: prompt, TTFT meter, model bar, engine panel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.message import Message
+from textual.timer import Timer
+from textual.widgets import Sparkline, Static, TextArea
+
+from tuichat.backend import EngineStats, Usage
+
+SPARK_TURNS = 24
+KV_WARNING = 0.8  # KV cache use above this shows in the warning colour: new prompts may soon wait
+
+
+class Prompt(TextArea):
+    """Multi-line message input. Enter sends. Ctrl+J inserts a newline in every terminal (it arrives as a key
+    of its own); Shift+Enter does too where the terminal speaks the kitty keyboard protocol (kitty, WezTerm,
+    foot, Ghostty, recent iTerm2), elsewhere it arrives as a plain Enter and sends."""
+
+    BINDINGS = [
+        # priority: TextArea handles Enter itself before non-priority bindings are looked at.
+        Binding("enter", "send", "Send", priority=True, id="prompt.send"),
+        Binding("ctrl+j,shift+enter", "newline", "Newline", priority=True, id="prompt.newline"),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str, t_enter: float) -> None:
+            super().__init__()
+            self.text = text
+            self.t_enter = t_enter  # app clock at the Enter key: where TTFT starts
+
+    def __init__(self, history: list[str], **kwargs) -> None:
+        super().__init__(
+            soft_wrap=True,
+            compact=True,
+            placeholder="Message · Enter sends · Ctrl+J new line · ↑ earlier prompts",
+            **kwargs,
+        )
+        self.prompt_history = history  # earlier prompts, oldest first
+        self._recalled: int | None = None  # index into history of the text shown, while browsing it
+
+    def on_mount(self) -> None:
+        # TEXTUAL_ANIMATIONS=none also stops the blink, which keeps screenshots deterministic.
+        self.cursor_blink = self.app.animation_level != "none"
+
+    # Priority bindings run as soon as the app reads the key, possibly before this widget has inserted the
+    # keys typed just before it (fast typing, a paste without bracketed paste). call_later queues the work
+    # behind them, so Enter sends everything typed before it and nothing typed after it.
+
+    def action_send(self) -> None:
+        self.call_later(self._send, self.app.clock())
+
+    def action_newline(self) -> None:
+        self.call_later(self.insert, "\n")
+
+    def _send(self, t_enter: float) -> None:
+        text = self.text
+        if text.strip():
+            self.remember(text)
+            self.clear()
+            self.post_message(self.Submitted(text, t_enter))
+
+    def restore(self, text: str) -> None:
+        """Put back a message that could not be sent, before whatever was typed since."""
+        self.text = text + self.text
+        self.move_cursor(self.document.end)
+
+    def remember(self, text: str) -> None:
+        if not self.prompt_history or self.prompt_history[-1] != text:
+            self.prompt_history.append(text)
+        self._recalled = None
+
+    def _browsing(self) -> bool:
+        """True while the prompt shows an unedited history entry (or is empty): ↑/↓ then walk history."""
+        if self._recalled is None:
+            return self.text == ""
+        return self.text == self.prompt_history[self._recalled]
+
+    def _show(self, index: int | None) -> None:
+        self._recalled = index
+        self.text = "" if index is None else self.prompt_history[index]
+        self.move_cursor(self.document.end)
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        if not select and self.prompt_history and self.cursor_location[0] == 0 and self._browsing():
+            current = len(self.prompt_history) if self._recalled is None else self._recalled
+            self._show(max(current - 1, 0))
+        else:
+            super().action_cursor_up(select)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        last_row = self.document.line_count - 1
+        if not select and self._recalled is not None and self.cursor_location[0] == last_row and self._browsing():
+            following = self._recalled + 1
+            self._show(following if following < len(self.prompt_history) else None)
+        else:
+            super().action_cursor_down(select)
+
+
+@dataclass
+class TurnTiming:
+    """What the meter knows about one reply, all on the app clock (seconds)."""
+
+    t_enter: float
+    t_first: float | None = None
+    t_last: float | None = None
+    tokens: int = 0
+    itl_total: float = 0.0  # sum of gaps between text chunks
+    chunks: int = 0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.t_first is None else (self.t_first - self.t_enter) * 1000
+
+    @property
+    def itl_ms(self) -> float | None:
+        return self.itl_total / (self.chunks - 1) * 1000 if self.chunks > 1 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self.t_first is None or self.t_last is None or self.tokens < 2 or self.t_last <= self.t_first:
+            return None
+        return (self.tokens - 1) / (self.t_last - self.t_first)
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f} ms"
+
+
+class TtftMeter(Horizontal):
+    """Live latency of this tab's replies: waiting time counting up, then TTFT (Enter → first painted
+    token), inter-token latency and decode speed, and a sparkline of TTFT over the tab's turns."""
+
+    def __init__(self, ttft_history: list[float], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._history = ttft_history
+        self._turn: TurnTiming | None = None
+        self._usage: Usage | None = None
+        self._ticker: Timer | None = None
+
+    def compose(self):
+        yield Static(self._text(), id="meter-text")
+        yield Sparkline(id="ttft-sparkline")
+
+    def on_mount(self) -> None:
+        self._show_sparkline()
+
+    def _show_sparkline(self) -> None:
+        # One bar per turn (the latest SPARK_TURNS): stretched over a fixed width, few turns would blur.
+        sparkline = self.query_one(Sparkline)
+        recent = self._history[-SPARK_TURNS:]
+        sparkline.display = len(recent) > 1
+        sparkline.styles.width = len(recent)
+        sparkline.data = recent
+
+    @property
+    def turn(self) -> TurnTiming | None:
+        return self._turn
+
+    def start(self, t_enter: float) -> None:
+        self._turn = TurnTiming(t_enter)
+        self._usage = None
+        # Only the waiting time needs a timer; once tokens flow each chunk redraws the meter.
+        self._ticker = self.set_interval(0.1, self._redraw)
+        self._redraw()
+
+    def first_token_painted(self) -> None:
+        turn = self._turn
+        if turn is None or turn.t_first is not None:
+            return
+        turn.t_first = self.app.clock()
+        self._stop_ticker()
+        self._history.append(turn.ttft_ms)
+        self._show_sparkline()
+        self._redraw()
+
+    def chunk(self, completion_tokens: int) -> None:
+        """A text chunk arrived; `completion_tokens` is the engine's running count (0 if it does not say)."""
+        turn = self._turn
+        if turn is None:
+            return
+        now = self.app.clock()
+        if turn.t_last is not None:
+            turn.itl_total += now - turn.t_last
+        turn.t_last = now
+        turn.chunks += 1
+        turn.tokens = max(completion_tokens, turn.chunks)
+        if turn.t_first is not None:
+            self._redraw()
+
+    def finish(self, usage: Usage | None) -> None:
+        if self._turn is not None and self._turn.chunks and self._turn.t_first is None:
+            self.first_token_painted()  # the reply ended before the screen refreshed once
+        self._stop_ticker()
+        self._usage = usage
+        if self._turn is not None and usage is not None and usage.completion_tokens:
+            self._turn.tokens = usage.completion_tokens
+        self._redraw()
+
+    def _stop_ticker(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+
+    def _redraw(self) -> None:
+        self.query_one("#meter-text", Static).update(self._text())
+
+    def _text(self) -> Content:
+        turn = self._turn
+        if turn is None:
+            last = f"last TTFT {_ms(self._history[-1])}" if self._history else "no replies yet"
+            return Content.from_markup("[dim]TTFT[/] [dim]$last[/]", last=last)
+        if turn.t_first is None:
+            if self._ticker is None:  # finished without a token (error, stopped while waiting)
+                return Content.from_markup("[dim]TTFT –  no tokens[/]")
+            waited = (self.app.clock() - turn.t_enter) * 1000
+            return Content.from_markup("[b]waiting[/] $waited", waited=_ms(waited))
+        tok_s = turn.tokens_per_s
+        parts = [
+            Content.from_markup("[b]TTFT[/] $ttft", ttft=_ms(turn.ttft_ms)),
+            Content.from_markup("[dim]ITL[/] $itl", itl=_ms(turn.itl_ms)),
+            Content(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s"),
+            Content(f"{turn.tokens} tok"),
+        ]
+        if self._usage is not None and self._usage.prompt_tokens:
+            parts.append(Content(f"cached {self._usage.cached_tokens}/{self._usage.prompt_tokens}"))
+        return Content(" · ").join(parts)
+
+
+class ModelBar(Static):
+    """One line above the conversation: the tab's model (always visible), its load state, and sampling."""
+
+
+def _bar(fraction: float, width: int = 16) -> str:
+    filled = round(fraction * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+class EnginePanel(Vertical):
+    """What the engine is doing, from backend.stats(): toggled by a key, refreshed while shown."""
+
+    def compose(self):
+        yield Static("Engine", classes="panel-title")
+        yield Static(id="engine-model")
+        yield Static(id="engine-sched")
+        yield Static(id="engine-kv")
+        yield Static(id="engine-prefix")
+        yield Static(id="engine-turn")
+
+    def show(self, stats: EngineStats | None, last_usage: Usage | None, note: str = "") -> None:
+        if stats is None:
+            self.query_one("#engine-model", Static).update(note or "starting…")
+            for id_ in ("sched", "kv", "prefix", "turn"):
+                self.query_one(f"#engine-{id_}", Static).update("")
+            return
+        self.query_one("#engine-model", Static).update(
+            Content.assemble(
+                (stats.model or "no model", "bold"),
+                f"\n{stats.device or '?'} · {stats.dtype or '?'} · tp {stats.tp}",
+                f"\n{stats.batching} batching",
+            )
+        )
+        self.query_one("#engine-sched", Static).update(
+            f"running {stats.running} · waiting {stats.waiting}\n"
+            f"batch {stats.batch_size} · {stats.tokens_per_s:.1f} tok/s"
+        )
+        kv = self.query_one("#engine-kv", Static)
+        kv.update(
+            f"KV cache {stats.kv_usage:.0%}\n{_bar(stats.kv_usage)}\n"
+            f"{stats.kv_blocks_used}/{stats.kv_blocks_total} blocks"
+        )
+        kv.set_class(stats.kv_usage > KV_WARNING, "-warning")
+        prefix = f"prefix hits {stats.prefix_hit_rate:.0%}" if stats.prefix_cache else "prefix cache off"
+        self.query_one("#engine-prefix", Static).update(prefix)
+        if last_usage is not None and last_usage.prompt_tokens:
+            turn = (
+                f"last turn: {last_usage.cached_tokens} of {last_usage.prompt_tokens}\n"
+                "prompt tokens from cache"
+            )
+        else:
+            turn = "last turn: –"
+        self.query_one("#engine-turn", Static).update(turn)
