@@ -1,0 +1,67 @@
+"""Fused projections for transformers' decoder layers, without touching their forward code.
+
+At decode time a CPU step is dominated by per-call matmul overhead rather than by bytes: q, k and v (and
+gate and up) are small matmuls of the same input. transformers has no switch to fuse them for standard
+models, so we concatenate their weights into one matmul and let the original attribute names hand out
+slices of its result. The layer's forward calls q, k, v (gate, up) one after another on the same tensor;
+the first call computes all of them, the others take their slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+class FusedLinear(nn.Module):
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.cat([l.weight.data for l in linears]), requires_grad=False)
+        biases = [l.bias for l in linears]
+        self.bias = None
+        if any(b is not None for b in biases):
+            parts = [b.data if b is not None else l.weight.new_zeros(l.out_features) for b, l in zip(biases, linears)]
+            self.bias = nn.Parameter(torch.cat(parts), requires_grad=False)
+        self.sizes = [l.out_features for l in linears]
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if index == 0 or x is not self._input:
+            self._input, self._parts = x, F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        out = self._parts[index]
+        if index == len(self.sizes) - 1:
+            self._input, self._parts = None, ()  # don't keep activations alive between steps
+        return out
+
+
+class FusedSlice(nn.Module):
+    """Stands where one of the original linears was."""
+
+    def __init__(self, fused: FusedLinear, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self._fused = [fused]  # a list, so the shared module is not registered (and saved) once per slice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0].part(x, self.index)
+
+
+def fuse_projections(model) -> int:
+    """Fuse q/k/v and gate/up in every decoder layer that has them. Returns how many groups were fused."""
+    fused = 0
+    for layer in getattr(getattr(model, "model", None), "layers", ()):
+        for part_name, names in _GROUPS.items():
+            part = getattr(layer, part_name, None)
+            linears = [getattr(part, n, None) for n in names]
+            if part is None or not all(isinstance(l, nn.Linear) for l in linears):
+                continue
+            group = FusedLinear(linears)
+            part.add_module("fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
+            for index, name in enumerate(names):
+                setattr(part, name, FusedSlice(group, index))
+            fused += 1
+    return fused
