@@ -1,0 +1,150 @@
+"""LocalBackend over a tiny random model with the embedded tokenizer: asyncio streaming, batching of
+concurrent conversations, cancel, a crash mid-reply, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import make_tiny
+from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.local import LocalBackend
+
+LONG = SamplingParams(max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, embedded):
+    """A folder with a tiny random Llama that speaks the embedded model's tokenizer and chat template."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = embedded[3]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(copy.deepcopy(config)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def user(text: str) -> list[Message]:
+    return [Message("user", text)]
+
+
+async def collect(stream):
+    return [event async for event in stream]
+
+
+def test_concurrent_conversations_share_engine_steps(tiny_chat_model):
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        await backend.load()
+        engine = backend._loaded[tiny_chat_model].engine
+        sizes = []
+        original = engine.step
+
+        def recording_step():
+            original()
+            sizes.append(engine.last_batch_size)
+
+        engine.step = recording_step
+        results = await asyncio.gather(*(collect(backend.stream(f"c{i}", user(f"Tab {i}"), LONG)) for i in range(3)))
+        stats = backend.stats()
+        await backend.close()
+        return results, sizes, stats
+
+    results, sizes, stats = asyncio.run(run())
+    assert all(r[-1].finished and r[-1].usage.completion_tokens == 40 for r in results)
+    assert max(sizes) == 3  # all three conversations were in one forward at least once
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.kv_blocks_total > 0
+
+
+def test_cancel_stops_the_reply_and_frees_its_blocks(tiny_chat_model):
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        events = []
+        async for event in backend.stream("c", user("Go on and on"), SamplingParams(max_tokens=400)):
+            events.append(event)
+            if len(events) == 3:
+                backend.cancel("c")
+        await asyncio.sleep(0.05)
+        stats = backend.stats()
+        await backend.close()
+        return events, stats
+
+    events, stats = asyncio.run(run())
+    assert events[-1].finished and events[-1].usage.finish_reason == "cancelled"
+    assert events[-1].usage.completion_tokens < 400
+    assert stats.kv_blocks_used == 0
+
+
+def test_closing_the_stream_early_cancels_the_request(tiny_chat_model):
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        stream = backend.stream("c", user("Hello"), SamplingParams(max_tokens=400))
+        await stream.__anext__()
+        await stream.aclose()
+        engine = backend._loaded[tiny_chat_model].engine
+        for _ in range(100):
+            if not engine.scheduler.has_work():
+                break
+            await asyncio.sleep(0.02)
+        used = engine.blocks.num_used
+        await backend.close()
+        return used
+
+    assert asyncio.run(run()) == 0
+
+
+def test_a_crash_mid_reply_reports_an_error_and_the_engine_goes_on(tiny_chat_model):
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        await backend.load()
+        runner = backend._loaded[tiny_chat_model].engine.runner
+        original, calls = runner.execute, []
+
+        def flaky(chunks):
+            calls.append(1)
+            if len(calls) == 5:
+                raise RuntimeError("simulated device failure")
+            return original(chunks)
+
+        runner.execute = flaky
+        broken = await collect(backend.stream("a", user("Hi"), LONG))
+        healthy = await collect(backend.stream("b", user("Hi again"), SamplingParams(max_tokens=5)))
+        await backend.close()
+        return broken, healthy
+
+    broken, healthy = asyncio.run(run())
+    assert "simulated device failure" in broken[-1].error and broken[-1].usage.finish_reason == "error"
+    assert "".join(e.text for e in broken)  # what streamed before the crash was delivered
+    assert healthy[-1].error is None and healthy[-1].usage.completion_tokens == 5
+
+
+def test_over_long_and_empty_prompts_raise_clear_errors(tiny_chat_model):
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        with pytest.raises(BackendError, match="takes at most 511"):
+            await collect(backend.stream("c", user("word " * 600), LONG))
+        with pytest.raises(BackendError, match="empty"):
+            await collect(backend.stream("c", user("  "), LONG))
+        ok = await collect(backend.stream("c", user("fine"), SamplingParams(max_tokens=3)))
+        await backend.close()
+        return ok
+
+    assert asyncio.run(run())[-1].usage.completion_tokens == 3
+
+
+def test_unknown_model_is_a_backend_error():
+    backend = LocalBackend()
+    with pytest.raises(BackendError, match="Unknown model 'nonsense'"):
+        asyncio.run(backend.load("nonsense"))
