@@ -186,3 +186,42 @@ def models() -> None:
     config, _ = load_config()
     for info in list_models(config.models):
         click.echo(f"{info.spec:<40} {info.kind:<10} {info.description}")
+
+
+@main.command()
+@click.option("--model", "-m", default=None, help="Model spec (default: smollm2-135m, the embedded model).")
+@click.option("--quick", is_flag=True, help="A short run (<= 90 s here): fewer turns, shorter replies.")
+@click.option("--scenarios", default="all", show_default=True,
+              help="Comma-separated: single,tabs,multiturn,shared_prefix,interference.")
+@click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
+@click.option("--turns", type=click.IntRange(min=1), default=None, help="Turns per conversation [8; --quick: 4].")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Cap on every reply (default: 96 single/tabs, 128 per turn; --quick: 32, 64).")
+@click.option("--peers", default="all", show_default=True,
+              help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp (or none).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Save charts to this PNG (needs the 'plot' extra: matplotlib).")
+@engine_options
+@click.pass_context
+def bench(ctx, model, quick, scenarios, tabs, turns, max_tokens, peers, as_json, plot_path, **engine_flags):
+    """Measure streaming, batching and caching here, next to transformers (and llama.cpp when installed)."""
+    from tuichat import bench as bench_module
+
+    config, _ = _load_config()
+    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    try:
+        caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
+        settings = bench_module.BenchSettings.make(
+            quick,
+            model=model or ctx.obj.get("model") or None,
+            options=options,
+            scenarios=bench_module.parse_list(scenarios, bench_module.SCENARIOS, "scenario"),
+            peers=bench_module.parse_list(peers, bench_module.PEERS, "peer"),
+            tabs=tabs,
+            turns=turns,
+            **caps,
+        )
+        bench_module.main(settings, as_json=as_json, plot_path=plot_path)
+    except BackendError as exc:
+        _fail(str(exc))
