@@ -25,7 +25,7 @@ class FakeBackend(DemoBackend):
         kwargs.setdefault("token_s", 0.005)
         kwargs.setdefault("load_s", 0.02)
         super().__init__(**kwargs)
-        self.hold: asyncio.Event | None = None  # when given: replies pause after `hold_after` tokens until it is set
+        self.hold: asyncio.Event | None = None  # if given, replies wait for it after `hold_after` tokens
         self.hold_after = 1
         self.stream_error: str | None = None  # when set: replies end with this error after one token
         self.load_delay_s = 0.0  # extra, real seconds in load(), to test waiting for a model

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -520,3 +521,31 @@ async def test_sampling_is_per_tab_and_passed_to_the_backend():
         await pilot.press("ctrl+t")
         await send_and_wait(pilot, "default")
         assert backend.calls[-1]["params"] == Config().sampling
+
+
+async def test_each_chunk_reparses_only_the_last_block(monkeypatch):
+    """Painting a token must not cost more at the end of a long reply than at the start: MarkdownStream
+    parses from the last block on, so what one append parses stays small however long the reply grows."""
+    from markdown_it import MarkdownIt
+
+    paragraph = "A sentence with **bold** and `code` in it. " * 4
+    long_reply = "\n\n".join(f"Part {index}: {paragraph}" for index in range(40))  # ~7,500 characters
+    backend = FakeBackend(token_s=0, replies=[long_reply])
+    parsed: list[int] = []
+    parse = MarkdownIt.parse
+
+    def recording_parse(self, src, env=None):
+        parsed.append(len(src))
+        return parse(self, src, env)
+
+    monkeypatch.setattr(MarkdownIt, "parse", recording_parse)
+    app, _ = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "smollm2-135m" in backend.loaded)
+        app.active_tab.sampling = replace(app.active_tab.sampling, max_tokens=10_000)
+        parsed.clear()
+        reply = await send_and_wait(pilot, "long")
+    assert reply.text == long_reply
+    *streaming, final = parsed  # the last parse is the one full render at the end
+    assert final == len(long_reply)
+    assert len(streaming) > 20 and max(streaming) < 1_000

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from functools import partial
 from typing import Callable, Iterable
 
 from textual import work
@@ -42,25 +43,47 @@ class TuichatApp(App[None]):
     # (the prompt's TextArea uses them for editing). Every binding has an id, so [keymap] can rebind it.
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", priority=True, id="app.quit"),
-        Binding("f1", "help", "Keys", id="app.help"),
-        Binding("escape", "stop", "Stop", id="reply.stop"),
+        Binding("f1", "help", "Keys", tooltip="Every key and its keymap id", id="app.help"),
+        Binding("escape", "stop", "Stop", tooltip="Stop the reply; its text so far stays", id="reply.stop"),
         # priority: the action runs before the keys typed after it are delivered, so those land in the
         # prompt of the tab switched to, not in the one left behind.
         Binding("ctrl+t", "new_tab", "New tab", priority=True, id="tab.new"),
-        Binding("alt+w", "close_tab", "Close tab", priority=True, id="tab.close"),
+        Binding(
+            "alt+w", "close_tab", "Close tab", tooltip="Close the tab; search finds it again", priority=True,
+            id="tab.close",
+        ),
         Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False, priority=True, id="tab.next"),
-        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False, priority=True, id="tab.previous"),
-        Binding("f2", "rename", "Rename", show=False, id="tab.rename"),
-        Binding("f3", "sampling", "Sampling", show=False, id="tab.sampling"),
-        Binding("ctrl+o", "pick_model", "Model", id="model.pick"),
-        Binding("ctrl+b", "toggle_engine", "Engine", id="engine.toggle"),
-        Binding("ctrl+r", "regenerate", "Regenerate", show=False, id="reply.regenerate"),
-        Binding("ctrl+g", "edit_last", "Edit last", show=False, id="reply.edit"),
-        Binding("alt+c", "copy_reply", "Copy reply", show=False, id="copy.reply"),
-        Binding("alt+b", "copy_code", "Copy code", show=False, id="copy.code"),
-        Binding("ctrl+f", "search", "Search", id="history.search"),
-        Binding("ctrl+s", "export", "Export", show=False, id="history.export"),
-        Binding("f8", "change_theme", "Theme", show=False, id="app.theme"),
+        Binding(
+            "ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False, priority=True, id="tab.previous"
+        ),
+        Binding("f2", "rename", "Rename", tooltip="Rename this conversation", show=False, id="tab.rename"),
+        Binding(
+            "f3", "sampling", "Sampling", tooltip="Temperature, top-p, top-k, max tokens and seed of this tab",
+            show=False, id="tab.sampling",
+        ),
+        Binding("ctrl+o", "pick_model", "Model", tooltip="Pick this tab's model", id="model.pick"),
+        Binding("ctrl+b", "toggle_engine", "Engine", tooltip="Show or hide the engine panel", id="engine.toggle"),
+        Binding(
+            "ctrl+r", "regenerate", "Regenerate", tooltip="Answer the last message again", show=False,
+            id="reply.regenerate",
+        ),
+        Binding(
+            "ctrl+g", "edit_last", "Edit last", tooltip="Last message back into the prompt, to change and resend",
+            show=False, id="reply.edit",
+        ),
+        Binding("alt+c", "copy_reply", "Copy reply", tooltip="Copy the last reply", show=False, id="copy.reply"),
+        Binding(
+            "alt+b", "copy_code", "Copy code", tooltip="Copy the last code block of the last reply", show=False,
+            id="copy.code",
+        ),
+        Binding(
+            "ctrl+f", "search", "Search", tooltip="Full-text search over every conversation", id="history.search"
+        ),
+        Binding(
+            "ctrl+s", "export", "Export", tooltip="Write this conversation to a Markdown file", show=False,
+            id="history.export",
+        ),
+        Binding("f8", "change_theme", "Theme", tooltip="Pick a theme (remembered)", show=False, id="app.theme"),
     ]
 
     def __init__(
@@ -431,7 +454,7 @@ class TuichatApp(App[None]):
 
     def action_help(self) -> None:
         rows = [
-            (self._keys_display(binding), binding.description, binding.id or "")
+            (self._keys_display(binding), binding.tooltip or binding.description, binding.id or "")
             for binding in [*Prompt.BINDINGS, *self.BINDINGS]
         ]
         rows.insert(2, ("↑ / ↓", "Earlier prompts (in an empty prompt)", ""))
@@ -467,32 +490,27 @@ class TuichatApp(App[None]):
     # --- command palette ----------------------------------------------------------------------------
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("New tab", "A new conversation", self.action_new_tab)
-        yield SystemCommand("Close tab", "Close this conversation (search finds it again)", self.action_close_tab)
-        yield SystemCommand("Rename tab", "Rename this conversation", self.action_rename)
-        yield SystemCommand("Sampling", "Temperature, top-p, top-k, max tokens, seed of this tab", self.action_sampling)
-        yield SystemCommand("Switch model", "Pick the model of this tab's next reply", self.action_pick_model)
+        # Textual's own: Theme, Quit, Screenshot... ("Keys" is replaced by ours, which lists every binding).
+        yield from (command for command in super().get_system_commands(screen) if command.title != "Keys")
+        for binding in self.BINDINGS:
+            if binding.id not in ("app.quit", "app.theme"):
+                help_text = f"{binding.tooltip or binding.description} · {self._keys_display(binding)}"
+                yield SystemCommand(binding.description, help_text, partial(self.run_action, binding.action))
         for spec in self.known_models:
             yield SystemCommand(
-                f"Model: {spec}", "Use it for this tab's next reply", lambda s=spec: self.switch_model(self.active_tab, s), discover=False
+                f"Model: {spec}",
+                "Use it for this tab's next reply",
+                partial(self.switch_model, self.active_tab, spec),
+                discover=False,
             )
-        yield SystemCommand("Stop reply", "Stop the reply in flight; its text stays", self.action_stop)
-        yield SystemCommand("Regenerate reply", "Answer the last message again", self.action_regenerate)
-        yield SystemCommand("Edit last message", "Back into the prompt, to change and resend", self.action_edit_last)
-        yield SystemCommand("Copy last reply", "Via OSC 52", self.action_copy_reply)
-        reply = self.active_tab.last_reply() if self.is_mounted else None
+        reply = self.active_tab.last_reply()
         for index, block in enumerate(reply.code_blocks() if reply else []):
             lines = block.code.count("\n") + 1
             yield SystemCommand(
                 f"Copy code block {index + 1}",
                 f"{block.lexer or 'text'}, {lines} lines, from the last reply",
-                lambda i=index: self.action_copy_code(i),
+                partial(self.action_copy_code, index),
             )
-        yield SystemCommand("Search history", "Full-text search over every conversation", self.action_search)
-        yield SystemCommand("Export conversation", "Write this conversation to a Markdown file", self.action_export)
-        yield SystemCommand("Engine panel", "Show or hide the engine's batching and cache stats", self.action_toggle_engine)
-        yield SystemCommand("All keys", "Every key binding and its id for [keymap]", self.action_help)
 
 
 def run_tui(

@@ -201,7 +201,8 @@ class ChatTab(TabPane):
                 (self.app.model_name(self.model), "bold"),
                 (f"  {state}" if state else "", "$warning" if state else ""),
                 ("   " + " · ".join(knobs), "dim"),
-            )
+            ),
+            layout=False,  # one line of fixed size: no need to reflow the screen
         )
 
     def _refresh_label(self) -> None:

@@ -86,14 +86,16 @@ class ModelPicker(FilteredList):
         options = [
             Option(
                 Content.assemble(
-                    ("● " if spec == self.current else "  ", "$accent"), (spec, "bold"), (f"  {description}", "dim")
+                    ("● " if spec == self.current else "  ", "$accent"),
+                    (spec, "bold"),
+                    (f"  {description}", "dim"),
                 ),
                 id=spec,
             )
             for spec, description in self.models.items()
             if needle in spec.lower() or needle in description.lower()
         ]
-        if typed.strip() and typed.strip() not in self.models:
+        if typed.strip() and not options:  # not listed: a hub id or a path the backend may still open
             options.append(Option(Content.assemble("  use ", (typed.strip(), "bold")), id=typed.strip()))
         option_list = self.query_one(OptionList)
         option_list.set_options(options)
@@ -173,12 +175,13 @@ class SamplingScreen(Dialog):
 
     def compose(self):
         s = self.sampling
+        seed = "" if s.seed is None else str(s.seed)
         fields = [
             ("temperature", "temperature (0 = greedy)", str(s.temperature), [Number(minimum=0)], "number"),
             ("top_p", "top-p (1 = off)", str(s.top_p), [Number(minimum=0, maximum=1)], "number"),
             ("top_k", "top-k (0 = off)", str(s.top_k), [Integer(minimum=0)], "integer"),
             ("max_tokens", "max tokens", str(s.max_tokens), [Integer(minimum=1)], "integer"),
-            ("seed", "seed (empty = random)", "" if s.seed is None else str(s.seed), [Integer(minimum=0)], "integer"),
+            ("seed", "seed (empty = random)", seed, [Integer(minimum=0)], "integer"),
         ]
         with Vertical(classes="dialog"):
             yield Label("Sampling for this tab")
@@ -208,7 +211,7 @@ class SamplingScreen(Dialog):
 
 
 class HelpScreen(Dialog):
-    """Every key binding, with the id to use in config.toml's [keymap]."""
+    """Every key binding, with the id that config.toml's [keymap] rebinds it by."""
 
     BINDINGS = [Binding("f1", "dismiss_none", "Close", show=False)]
 
@@ -220,7 +223,7 @@ class HelpScreen(Dialog):
         with Vertical(classes="dialog wide"):
             yield Label("Keys")
             table = DataTable(cursor_type="row", zebra_stripes=True)
-            table.add_columns("keys", "does", "id for [keymap]")
+            table.add_columns("keys", "does", "keymap id")
             table.add_rows(self.rows)
             yield table
             yield Static(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from textual.binding import Binding
@@ -14,6 +15,7 @@ from textual.widgets import Sparkline, Static, TextArea
 from tuichat.backend import EngineStats, Usage
 
 SPARK_TURNS = 24
+REDRAW_S = 0.05  # the meter redraws at most this often while tokens stream
 KV_WARNING = 0.8  # KV cache use above this shows in the warning colour: new prompts may soon wait
 
 
@@ -142,6 +144,7 @@ class TtftMeter(Horizontal):
         self._turn: TurnTiming | None = None
         self._usage: Usage | None = None
         self._ticker: Timer | None = None
+        self._drawn_at = 0.0  # time.monotonic() of the last redraw (real time even on a virtual clock)
 
     def compose(self):
         yield Static(self._text(), id="meter-text")
@@ -190,7 +193,8 @@ class TtftMeter(Horizontal):
         turn.t_last = now
         turn.chunks += 1
         turn.tokens = max(completion_tokens, turn.chunks)
-        if turn.t_first is not None:
+        # At hundreds of tokens/s, redrawing per token would cost more than the frames can show.
+        if turn.t_first is not None and time.monotonic() - self._drawn_at >= REDRAW_S:
             self._redraw()
 
     def finish(self, usage: Usage | None) -> None:
@@ -208,28 +212,32 @@ class TtftMeter(Horizontal):
             self._ticker = None
 
     def _redraw(self) -> None:
-        self.query_one("#meter-text", Static).update(self._text())
+        self._drawn_at = time.monotonic()
+        # layout=False: one line of fixed size; a layout pass here would reflow the whole screen.
+        self.query_one("#meter-text", Static).update(self._text(), layout=False)
 
     def _text(self) -> Content:
         turn = self._turn
         if turn is None:
             last = f"last TTFT {_ms(self._history[-1])}" if self._history else "no replies yet"
-            return Content.from_markup("[dim]TTFT[/] [dim]$last[/]", last=last)
+            return Content.assemble(("TTFT ", "dim"), (last, "dim"))
         if turn.t_first is None:
             if self._ticker is None:  # finished without a token (error, stopped while waiting)
-                return Content.from_markup("[dim]TTFT –  no tokens[/]")
+                return Content("TTFT –  no tokens").stylize("dim")
             waited = (self.app.clock() - turn.t_enter) * 1000
-            return Content.from_markup("[b]waiting[/] $waited", waited=_ms(waited))
+            return Content.assemble(("waiting ", "bold"), _ms(waited))
         tok_s = turn.tokens_per_s
-        parts = [
-            Content.from_markup("[b]TTFT[/] $ttft", ttft=_ms(turn.ttft_ms)),
-            Content.from_markup("[dim]ITL[/] $itl", itl=_ms(turn.itl_ms)),
-            Content(f"{tok_s:.1f} tok/s" if tok_s else "– tok/s"),
-            Content(f"{turn.tokens} tok"),
-        ]
+        text = Content.assemble(
+            ("TTFT ", "bold"),
+            _ms(turn.ttft_ms),
+            (" · ITL ", "dim"),
+            _ms(turn.itl_ms),
+            f" · {tok_s:.1f} tok/s" if tok_s else " · – tok/s",
+            f" · {turn.tokens} tok",
+        )
         if self._usage is not None and self._usage.prompt_tokens:
-            parts.append(Content(f"cached {self._usage.cached_tokens}/{self._usage.prompt_tokens}"))
-        return Content(" · ").join(parts)
+            text += f" · cached {self._usage.cached_tokens}/{self._usage.prompt_tokens}"
+        return text
 
 
 class ModelBar(Static):
