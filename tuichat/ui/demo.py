@@ -218,15 +218,25 @@ async def take_screenshots(folder: Path) -> None:
             await pilot.pause(0.3)
             app.save_screenshot("tuichat-main.svg", str(folder))
 
-            await pilot.press("ctrl+t")
-            app.active_tab.prompt.text = "And what does the prefix cache keep?"
-            await pilot.press("enter", "ctrl+pageup")
-            app.active_tab.prompt.text = "Why is that?"
-            await pilot.press("enter", "ctrl+b")
-            await pilot.pause(0.4)
+            # Two tabs streaming at once. Not pilot.press here: it waits for an idle app, and an app
+            # that is streaming is never idle.
+            backend.token_s = 0.08
+            def send_now(question: str) -> None:
+                app.active_tab.prompt.insert(question)
+                app.active_tab.prompt.action_send()
+
+            await app.action_new_tab()
+            send_now("And what does the prefix cache keep?")
+            await asyncio.sleep(0.2)
+            app.action_previous_tab()
+            send_now("Why does that help a second turn?")
+            app.action_toggle_engine()
+            await asyncio.sleep(1.5)
             app.clear_notifications()
-            await pilot.pause(0.1)
+            await asyncio.sleep(0.6)  # the panel refreshes twice a second
             app.save_screenshot("tuichat-engine-panel.svg", str(folder))
+            for tab in app.tabs():
+                tab.stop()
             while any(tab.busy for tab in app.tabs()):
                 await pilot.pause(0.05)
 
