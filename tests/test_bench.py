@@ -236,3 +236,10 @@ def test_cli_bench_rejects_bad_input_in_one_line(embedded, monkeypatch):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else object())
     no_plot = runner.invoke(main, ["bench", "--plot", "out.png", "--scenarios", "single"])
     assert no_plot.exit_code == 2 and "pip install 'tuichat[plot]'" in no_plot.stderr
+
+
+def test_plot_writes_a_png_when_matplotlib_is_there(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    bench.plot(run[0], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
