@@ -233,7 +233,6 @@ class TuichatApp(App[None]):
             name = await backend.load(spec, progress)
         except Exception as error:
             self._set_model_state(spec, f"load failed: {error}")
-            self.notify(f"{spec}: {error}", title="Model did not load", severity="error", timeout=15)
             raise
         self._canonical[spec] = name
         self._set_model_state(spec, "")
@@ -267,8 +266,8 @@ class TuichatApp(App[None]):
     async def _preload(self, spec: str) -> None:
         try:
             await self.ensure_model(spec)
-        except BackendError:
-            pass  # _load_model has said so; the tab's next reply will say it again in place
+        except BackendError as error:  # a reply waiting for it shows the error in place, too
+            self.notify(str(error), title=f"{spec} did not load", severity="error", timeout=15)
 
     @work(thread=True, group="models", exit_on_error=False)
     def _list_models(self) -> dict[str, str]:

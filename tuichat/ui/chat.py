@@ -278,20 +278,23 @@ class ChatTab(TabPane):
         if self.title == NEW_TITLE:
             first_line = text.strip().splitlines()[0]
             self.rename(first_line[:TITLE_CHARS] + ("…" if len(first_line) > TITLE_CHARS else ""))
-        await self.log_view.mount(UserMessage(text, message_id))
-        await self._reply(t_enter)
+        sent = UserMessage(text, message_id)
+        await self.log_view.mount(sent)
+        await self._reply(t_enter, sent)
 
-    async def _reply(self, t_enter: float) -> None:
+    async def _reply(self, t_enter: float, sent: UserMessage | None = None) -> None:
         context = self._conversation_so_far()
         reply = AssistantMessage(status="streaming", model=self.app.model_name(self.model))
         await self.log_view.mount(reply)
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
         self._stop_requested = False
-        self._turn = self.run_worker(self._stream_reply(reply, context), group="turn", exit_on_error=False)
+        self._turn = self.run_worker(self._stream_reply(reply, context, sent), group="turn", exit_on_error=False)
         self._refresh_label()
 
-    async def _stream_reply(self, reply: AssistantMessage, context: list[Message]) -> None:
+    async def _stream_reply(
+        self, reply: AssistantMessage, context: list[Message], sent: UserMessage | None
+    ) -> None:
         app, store = self.app, self.app.store
         clock = app.clock
         reply.message_id = store.add_message(
@@ -326,7 +329,8 @@ class ChatTab(TabPane):
                     await aclose()
         except asyncio.CancelledError:
             if not self._stop_requested:  # the app is quitting or the tab closing: save, skip the UI
-                store.update_message(reply.message_id, content=reply.text, status="stopped")
+                meta = self._meta(None, None)
+                store.update_message(reply.message_id, content=reply.text, status="stopped", meta=meta)
                 raise
         except BackendError as failure:
             error = str(failure)
@@ -342,11 +346,26 @@ class ChatTab(TabPane):
         store.update_message(reply.message_id, content=reply.text, status=status, meta=self._meta(usage, error))
         if usage is not None:
             self.last_usage = usage
-        await reply.finish(status, error)
-        if error and not reply.text:
-            app.notify(error, title="Reply failed", severity="error")
+        if status == "stopped" and not reply.text:
+            await self._take_back(reply, sent)
+        else:
+            await reply.finish(status, error)
+        if error and self is not app.active_tab:  # out of sight: say which tab
+            app.notify(error, title=f'Reply failed in "{self.title}"', severity="error")
         self._turn = None
         self._refresh_label()
+
+    async def _take_back(self, reply: AssistantMessage, sent: UserMessage | None) -> None:
+        """Stopped before the first token: nothing to keep but the question, which goes back into the
+        prompt for another try (a regenerated reply just disappears)."""
+        removed: list[UserMessage | AssistantMessage] = [reply]
+        if sent is not None:
+            removed.append(sent)
+            self.prompt.restore(sent.text)
+            self.app.notify("Stopped before the first token; your message is back in the prompt.")
+        for widget in removed:
+            self.app.store.delete_message(widget.message_id)
+        await self.log_view.remove_children(removed)
 
     def _meta(self, usage: Usage | None, error: str | None) -> dict:
         meta: dict = {"model": self.model}

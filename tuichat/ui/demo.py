@@ -1,5 +1,5 @@
 """The UI without a model: `python -m tuichat.ui.demo` runs tuichat on DemoBackend, a Backend that streams
-canned Markdown at a steady pace (no torch import, history in a temporary folder).
+canned Markdown at a steady pace (no torch import; history in demo-history.sqlite3 in the data dir).
 `python -m tuichat.ui.demo --screenshots assets` writes the README's SVG screenshots."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
+from tuichat import paths
 from tuichat.backend import (
     BackendError,
     EngineStats,
@@ -261,8 +262,8 @@ def main() -> None:
     from tuichat.ui.app import run_tui
 
     backend = DemoBackend(first_token_s=args.first_token_ms / 1000, token_s=args.token_ms / 1000)
-    with tempfile.TemporaryDirectory() as data:
-        run_tui(lambda: backend, Config(), Store(Path(data) / "history.sqlite3"), [])
+    # A history of its own, next to the real one: restarts bring the demo's tabs back.
+    run_tui(lambda: backend, Config(), Store(paths.data_dir() / "demo-history.sqlite3"), [])
 
 
 if __name__ == "__main__":
