@@ -270,11 +270,10 @@ class TuichatApp(App[None]):
             self.notify(str(error), title=f"{spec} did not load", severity="error", timeout=15)
 
     @work(thread=True, group="models", exit_on_error=False)
-    def _list_models(self) -> dict[str, str]:
+    def _list_models(self) -> None:
         # A thread: listing may scan the Hugging Face cache on disk.
         found = {info.spec: info.description or info.kind for info in self.backend.list_models()}
         self.call_from_thread(self._add_known_models, found)
-        return found
 
     def _add_known_models(self, found: dict[str, str]) -> None:
         for spec, description in found.items():

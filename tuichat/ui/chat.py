@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.css.query import NoMatches
 from textual.widgets import Markdown, Static, TabbedContent, TabPane
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
-from textual.worker import Worker
+from textual.worker import Worker, WorkerState
 
 from tuichat.backend import BackendError, Message, SamplingParams, Usage
 from tuichat.ui.widgets import ModelBar, Prompt, TtftMeter
@@ -31,12 +31,10 @@ def sampling_key(conversation_id: str) -> str:
 
 
 class UserMessage(Static):
-    def __init__(self, text: str, message_id: int | None) -> None:
-        super().__init__(text, markup=False, classes="message user")
+    def __init__(self, text: str, message_id: int) -> None:
+        super().__init__(text, markup=False, classes="message user", id=f"msg-{message_id}")
         self.text = text
         self.message_id = message_id
-        if message_id is not None:
-            self.id = f"msg-{message_id}"
 
 
 class AssistantMessage(Vertical):
@@ -46,23 +44,15 @@ class AssistantMessage(Vertical):
     STATUS_LABELS = {"stopped": "⏹ stopped"}
 
     def __init__(
-        self,
-        text: str = "",
-        *,
-        status: str = "done",
-        message_id: int | None = None,
-        model: str = "",
-        error: str | None = None,
+        self, text: str, *, status: str, message_id: int, model: str, error: str | None = None
     ) -> None:
-        super().__init__(classes="message assistant")
+        super().__init__(classes="message assistant", id=f"msg-{message_id}")
         self._chunks = [text] if text else []
         self.status = status
         self.message_id = message_id
         self.model = model
         self.error = error
         self._stream: MarkdownStream | None = None
-        if message_id is not None:
-            self.id = f"msg-{message_id}"
 
     def compose(self):
         yield Static(self.model, classes="role", markup=False)
@@ -126,7 +116,7 @@ class ChatTab(TabPane):
         title: str,
         model: str,
         sampling: SamplingParams,
-        rows: list[MessageRow] = (),
+        rows: Sequence[MessageRow] = (),
     ) -> None:
         super().__init__(title, id=f"conv-{conversation_id}")
         self.conversation_id = conversation_id
@@ -284,7 +274,11 @@ class ChatTab(TabPane):
 
     async def _reply(self, t_enter: float, sent: UserMessage | None = None) -> None:
         context = self._conversation_so_far()
-        reply = AssistantMessage(status="streaming", model=self.app.model_name(self.model))
+        message_id = self.app.store.add_message(
+            self.conversation_id, "assistant", "", status="streaming", meta={"model": self.model}
+        )
+        model = self.app.model_name(self.model)
+        reply = AssistantMessage("", status="streaming", message_id=message_id, model=model)
         await self.log_view.mount(reply)
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
@@ -297,15 +291,12 @@ class ChatTab(TabPane):
     ) -> None:
         app, store = self.app, self.app.store
         clock = app.clock
-        reply.message_id = store.add_message(
-            self.conversation_id, "assistant", "", status="streaming", meta={"model": self.model}
-        )
         usage: Usage | None = None
         error: str | None = None
         try:
             model = await app.ensure_model(self.model)
             reply.set_model(model)
-            stream = app.backend.stream(str(self.conversation_id), context, self.sampling, model=model)
+            stream = app.backend.stream(self.conversation_id, context, self.sampling, model=model)
             last_flush = clock()
             try:
                 async for event in stream:
@@ -367,6 +358,14 @@ class ChatTab(TabPane):
             self.app.store.delete_message(widget.message_id)
         await self.log_view.remove_children(removed)
 
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        # Backend failures are caught in _stream_reply; what gets here is a bug of ours. Say so, and free
+        # the tab for the next message rather than leave it "busy" forever.
+        if event.worker is self._turn and event.state == WorkerState.ERROR:
+            self._turn = None
+            self._refresh_label()
+            self.app.notify(f"{event.worker.error!r}", title="tuichat bug: the reply failed", severity="error")
+
     def _meta(self, usage: Usage | None, error: str | None) -> dict:
         meta: dict = {"model": self.model}
         turn = self.meter.turn
@@ -391,7 +390,7 @@ class ChatTab(TabPane):
             return False
         self._stop_requested = True
         if self.app.backend is not None:
-            self.app.backend.cancel(str(self.conversation_id))
+            self.app.backend.cancel(self.conversation_id)
         self._turn.cancel()
         return True
 
@@ -404,8 +403,7 @@ class ChatTab(TabPane):
             self.app.notify("No reply to regenerate.", severity="warning")
             return
         last = messages[-1]
-        if last.message_id is not None:
-            self.app.store.delete_message(last.message_id)
+        self.app.store.delete_message(last.message_id)
         await last.remove()
         await self._reply(self.app.clock())
 
@@ -424,8 +422,7 @@ class ChatTab(TabPane):
             return
         tail = messages[users[-1] :]
         for widget in tail:
-            if widget.message_id is not None:
-                self.app.store.delete_message(widget.message_id)
+            self.app.store.delete_message(widget.message_id)
         self.prompt.text = tail[0].text
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
