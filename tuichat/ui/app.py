@@ -27,7 +27,15 @@ from tuichat.config import Config
 from tuichat.store import ConversationRow, Store
 from tuichat.themes import load_themes
 from tuichat.ui.chat import NEW_TITLE, ChatTab, sampling_key, stored_sampling
-from tuichat.ui.screens import HelpScreen, ModelPicker, RenameScreen, SamplingScreen, SearchScreen
+from tuichat.ui.screens import (
+    Dialog,
+    FilteredList,
+    HelpScreen,
+    ModelPicker,
+    RenameScreen,
+    SamplingScreen,
+    SearchScreen,
+)
 from tuichat.ui.widgets import EnginePanel, Prompt
 
 FALLBACK_THEME = "textual-dark"
@@ -139,7 +147,7 @@ class TuichatApp(App[None]):
         self.active_tab.prompt.focus()
 
     def _apply_keymap(self) -> None:
-        known = {binding.id for binding in [*self.BINDINGS, *Prompt.BINDINGS]}
+        known = {binding.id for binding in self.all_bindings()}
         unknown = sorted(set(self.config.keymap) - known)
         if unknown:
             self.notify(
@@ -450,13 +458,29 @@ class TuichatApp(App[None]):
         else:
             self.notify(str(path), title="Exported", timeout=10)
 
-    def action_help(self) -> None:
-        rows = [
-            (self._keys_display(binding), binding.tooltip or binding.description, binding.id or "")
-            for binding in [*Prompt.BINDINGS, *self.BINDINGS]
+    @classmethod
+    def all_bindings(cls) -> list[Binding]:
+        """Every binding tuichat defines (Textual's widgets add their own, such as the prompt's editing keys)."""
+        return [
+            *Prompt.BINDINGS,
+            *cls.BINDINGS,
+            *Dialog.BINDINGS,
+            *FilteredList.BINDINGS,
+            *HelpScreen.BINDINGS,
         ]
-        rows.insert(2, ("↑ / ↓", "Earlier prompts (in an empty prompt)", ""))
-        rows.append((self._keys_display(Binding(self.COMMAND_PALETTE_BINDING, "")), "Command palette", ""))
+
+    def action_help(self) -> None:
+        def row(binding: Binding) -> tuple[str, str, str]:
+            return self._keys_display(binding), binding.tooltip or binding.description, binding.id
+
+        palette = self._keys_display(Binding(self.COMMAND_PALETTE_BINDING, ""))
+        rows = [
+            *map(row, Prompt.BINDINGS),
+            ("↑ / ↓", "Earlier prompts (in an empty prompt)", ""),
+            *map(row, self.BINDINGS),
+            (palette, "Command palette: every action, model and code block", ""),
+            *map(row, [*Dialog.BINDINGS, *FilteredList.BINDINGS, *HelpScreen.BINDINGS]),
+        ]
         self.push_screen(HelpScreen(rows))
 
     def _keys_display(self, binding: Binding) -> str:

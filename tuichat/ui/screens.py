@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Dialog(ModalScreen):
-    BINDINGS = [Binding("escape", "dismiss_none", "Close", id="dialog.close")]
+    BINDINGS = [Binding("escape", "dismiss_none", "Close", tooltip="Close a dialog", id="dialog.close")]
 
     def action_dismiss_none(self) -> None:
         self.dismiss(None)
@@ -32,8 +32,11 @@ class FilteredList(Dialog):
     """An Input that filters an OptionList below it; ↑/↓ move through the list while typing."""
 
     BINDINGS = [
-        Binding("down", "move(1)", show=False),
-        Binding("up", "move(-1)", show=False),
+        Binding("down", "move(1)", "Next", tooltip="Next item of a dialog's list", show=False, id="dialog.next"),
+        Binding(
+            "up", "move(-1)", "Previous", tooltip="Previous item of a dialog's list", show=False,
+            id="dialog.previous",
+        ),
     ]
 
     def action_move(self, step: int) -> None:
@@ -213,7 +216,9 @@ class SamplingScreen(Dialog):
 class HelpScreen(Dialog):
     """Every key binding, with the id that config.toml's [keymap] rebinds it by."""
 
-    BINDINGS = [Binding("f1", "dismiss_none", "Close", show=False)]
+    BINDINGS = [
+        Binding("f1", "dismiss_none", "Close", tooltip="Close this list of keys", show=False, id="help.close")
+    ]
 
     def __init__(self, rows: list[tuple[str, str, str]]) -> None:
         super().__init__()

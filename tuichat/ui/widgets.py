@@ -21,8 +21,8 @@ KV_WARNING = 0.8  # KV cache use above this shows in the warning colour: new pro
 
 class Prompt(TextArea):
     """Multi-line message input. Enter sends. Ctrl+J inserts a newline in every terminal (it arrives as a key
-    of its own); Shift+Enter does too where the terminal speaks the kitty keyboard protocol (kitty, WezTerm,
-    foot, Ghostty, recent iTerm2), elsewhere it arrives as a plain Enter and sends."""
+    of its own). Shift+Enter does too in terminals that speak the kitty keyboard protocol, which Textual
+    turns on (kitty, WezTerm, foot, Ghostty...); elsewhere it arrives as a plain Enter and sends."""
 
     BINDINGS = [
         # priority: TextArea handles Enter itself before non-priority bindings are looked at.
