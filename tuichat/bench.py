@@ -26,7 +26,8 @@ Output tokens include the EOS token for every system alike.
 
 Caps: 64 tokens per single/tab reply, 96 per turn, 8 tabs, 8 turns (the history passes 1000 tokens).
 `--quick` (<= 90 s on 2 cores): 2 single prompts, 24 tokens per tab reply, 4 turns of <= 48 tokens (the
-history, which starts with a pasted text of ~550 tokens, reaches ~800 tokens instead of ~1300). One-at-a-time peers (`hf_generate`, llama.cpp) run the
+history, which starts with a pasted text of ~550 tokens, reaches ~800 tokens instead of ~1300), and no
+transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn). One-at-a-time peers (`hf_generate`, llama.cpp) run the
 first 4 tab prompts only: their tok/s does not depend on how many requests wait.
 
 Peer work runs on one long-lived worker thread, like the engine's forwards run on the engine thread: on this
@@ -190,6 +191,7 @@ class BenchSettings:
     probe_tokens: int = 4  # TTFT-only requests (cache-off replay, shared prefix, interference probes)
     single_prompts: int = 3  # single: medians over this many questions
     sequential_peer_prompts: int = 4  # one-at-a-time peers run this many of the tab prompts (tok/s per request)
+    multiturn_peer: bool = True  # transformers generate's TTFT per turn (it recomputes the whole history)
     probes: int = 3  # interference: probes idle and loaded
     stagger_ms: float = 100.0
     bandwidth_mb: int = 512
@@ -198,7 +200,7 @@ class BenchSettings:
     @classmethod
     def make(cls, quick: bool = False, **overrides: Any) -> "BenchSettings":
         base = dict(turns=4, single_tokens=32, tab_tokens=24, turn_tokens=48, single_prompts=2,
-                    bandwidth_mb=256) if quick else {}
+                    multiturn_peer=False, bandwidth_mb=256) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(quick=quick, **base)
         unknown = set(settings.scenarios) - set(SCENARIOS)
@@ -368,7 +370,7 @@ def plan(settings: BenchSettings) -> list[str]:
         steps += [f"tabs · tuichat {m}" for m in MODES] + [f"tabs · {p}" for p in settings.peers]
     if "multiturn" in settings.scenarios:
         steps += ["multiturn · cache on", "multiturn · cache off"]
-        steps += ["multiturn · hf_generate"] if "hf_generate" in settings.peers else []
+        steps += ["multiturn · hf_generate"] if "hf_generate" in settings.peers and settings.multiturn_peer else []
     if "shared_prefix" in settings.scenarios:
         steps += ["shared_prefix · cache on", "shared_prefix · cache off"]
     if "interference" in settings.scenarios:
@@ -700,7 +702,7 @@ class LlamaCppPeer:
 
 
 # -- memory bandwidth and the floor ------------------------------------------------------------------------------------
-def measure_bandwidth(device, megabytes: int = 512, repeats: int = 3) -> float:
+def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of a few torch sums over one large buffer."""
     import torch
 
@@ -923,7 +925,7 @@ class _Run:
         # Turn 1 carries the pasted text; turn 2 on are all served from the cache: their trend is the flatness.
         out["last_over_second_cache_on"] = _ratio(on_ttft[-1], on_ttft[1]) if len(on_ttft) > 1 else None
         out["off_over_on_last_turn"] = _ratio(off_ttft[-1], on_ttft[-1])
-        if self.wants("hf_generate"):
+        if self.wants("hf_generate") and s.multiturn_peer:
             with self.step("multiturn · hf_generate"):
                 prompts = [self.ids(history[: 2 * k + 1]) for k in range(len(users))]
                 results = [self.off_main(self.peer.generate, p, 1) for p in prompts]
@@ -1134,6 +1136,7 @@ def render(result: dict[str, Any]) -> str:
         f"{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",
         f"floor: {floor.get('weight_bytes', 0) / 1e6:,.0f} MB of weights / {_fmt(floor.get('bandwidth_gb_s'))} GB/s "
         f"= {_fmt(floor.get('decode_step_ms'), 2)} ms per decode step ({_fmt(floor.get('decode_tokens_per_s'), 0)} tok/s, batch 1)",
+        "ratios are tuichat ÷ the row: above 1 is better for tok/s, below 1 is better for TTFT; times in ms",
         "",
     ]
     sc = result.get("scenarios", {})
