@@ -196,7 +196,7 @@ def models() -> None:
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
 @click.option("--turns", type=click.IntRange(min=1), default=None, help="Turns per conversation [8; --quick: 4].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help="Cap on every reply (default: 96 single/tabs, 128 per turn; --quick: 32, 64).")
+              help="Cap on every reply (default: 64 single/tabs, 96 per turn; --quick: 32/24/48).")
 @click.option("--peers", default="all", show_default=True,
               help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp (or none).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
@@ -205,7 +205,10 @@ def models() -> None:
 @engine_options
 @click.pass_context
 def bench(ctx, model, quick, scenarios, tabs, turns, max_tokens, peers, as_json, plot_path, **engine_flags):
-    """Measure streaming, batching and caching here, next to transformers (and llama.cpp when installed)."""
+    """Measure streaming, batching and caching here, next to transformers (and llama.cpp when installed).
+
+    The table (or --json) goes to stdout, the progress bar to stderr. Each scenario sets --batching and
+    --prefix-cache itself (it compares them); the other engine options apply to every engine."""
     from tuichat import bench as bench_module
 
     config, _ = _load_config()
