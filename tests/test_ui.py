@@ -564,3 +564,18 @@ async def test_each_chunk_reparses_only_the_last_block(monkeypatch):
     *streaming, final = parsed  # the last parse is the one full render at the end
     assert final == len(long_reply)
     assert len(streaming) > 20 and max(streaming) < len(long_reply) / 10
+
+
+async def test_fast_tab_keys_never_split_the_view_from_the_typing():
+    """Keys typed right after tab keys, without waiting for a frame: the tab shown is the tab typed in."""
+    from textual import events
+
+    app, _ = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.active_tab
+        for key in ["ctrl+t", *"two", "ctrl+pageup", *"one"]:
+            app.post_message(events.Key(key, key if len(key) == 1 else None))
+        await pilot.pause(0.5)
+        second = app.tabs()[1]
+        assert (first.prompt.text, second.prompt.text) == ("one", "two")
+        assert app.active_tab is first and app.focused is first.prompt

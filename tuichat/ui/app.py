@@ -18,7 +18,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, TabbedContent
+from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from tuichat import paths
@@ -41,6 +41,16 @@ from tuichat.ui.widgets import EnginePanel, Prompt
 FALLBACK_THEME = "textual-dark"
 ENGINE_POLL_S = 0.5
 TAB_ACTIONS = {"new_tab", "close_tab", "next_tab", "previous_tab"}
+
+
+class ChatTabs(TabbedContent):
+    def on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        # TabbedContent shows the pane a focused widget is in, but that news comes by message: after fast
+        # tab keys focus may already be in another pane, and obeying would show one tab while keys go to
+        # another. prevent_default skips TabbedContent's own handler.
+        focused = self.screen.focused
+        if focused is None or event.tab_pane not in focused.ancestors:
+            event.prevent_default()
 
 
 class TuichatApp(App[None]):
@@ -127,7 +137,7 @@ class TuichatApp(App[None]):
         active = self.store.get_setting("active_conversation")
         initial = f"conv-{active}" if active in {row.id for row in rows} else f"conv-{rows[0].id}"
         with Horizontal(id="main"):
-            with TabbedContent(initial=initial, id="tabs"):
+            with ChatTabs(initial=initial, id="tabs"):
                 for row in rows:
                     yield self._make_tab(row)
             yield EnginePanel(id="engine-panel")
