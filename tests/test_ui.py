@@ -579,3 +579,24 @@ async def test_fast_tab_keys_never_split_the_view_from_the_typing():
         second = app.tabs()[1]
         assert (first.prompt.text, second.prompt.text) == ("one", "two")
         assert app.active_tab is first and app.focused is first.prompt
+
+
+async def test_log_follows_new_text_until_the_user_scrolls_up_and_again_at_the_bottom():
+    long_reply = "\n\n".join(f"Paragraph {index} of a long answer." for index in range(80))
+    app, backend = make_app(FakeBackend(token_s=0.01, replies=[long_reply]))
+    async with app.run_test(size=SIZE) as pilot:
+        log = app.active_tab.log_view
+        await send(pilot, "long")
+        await until(pilot, lambda: log.max_scroll_y > 5, what="a scrollable log")
+        assert log.scroll_y == log.max_scroll_y  # following
+        app.active_tab.prompt.action_scroll_log(-1)  # PageUp in the prompt
+        await until(pilot, lambda: log.scroll_y < log.max_scroll_y - 5, what="scrolled up")
+        log.scroll_home(animate=False)
+        await asyncio.sleep(0.3)
+        assert app.active_tab.busy and log.scroll_y == 0 < log.max_scroll_y  # left where the user is
+        log.scroll_end(animate=False)
+        grown = log.max_scroll_y
+        await until(pilot, lambda: log.max_scroll_y > grown + 3, what="more text")
+        await until(pilot, lambda: log.scroll_y == log.max_scroll_y, what="following again")
+        assert app.active_tab.busy
+        app.active_tab.stop()

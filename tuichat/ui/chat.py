@@ -252,6 +252,13 @@ class ChatTab(TabPane):
         widget.add_class("-found")
         self.set_timer(3, lambda: widget.remove_class("-found"))
 
+    def on_prompt_scroll_log(self, event: Prompt.ScrollLog) -> None:
+        # A user scroll: scrolling up stops following new text, reaching the bottom resumes it.
+        if event.pages < 0:
+            self.log_view.scroll_page_up()
+        else:
+            self.log_view.scroll_page_down()
+
     # --- turns --------------------------------------------------------------------------------------
 
     async def on_prompt_submitted(self, event: Prompt.Submitted) -> None:

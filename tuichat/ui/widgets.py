@@ -28,7 +28,21 @@ class Prompt(TextArea):
         # priority: TextArea handles Enter itself before non-priority bindings are looked at.
         Binding("enter", "send", "Send", priority=True, id="prompt.send"),
         Binding("ctrl+j,shift+enter", "newline", "Newline", priority=True, id="prompt.newline"),
+        # A prompt is a few lines tall: paging it is useless, paging the conversation above is not.
+        Binding(
+            "pageup", "scroll_log(-1)", "Page up", tooltip="Scroll the conversation up a page", show=False,
+            id="prompt.page_up",
+        ),
+        Binding(
+            "pagedown", "scroll_log(1)", "Page down", tooltip="Scroll the conversation down a page", show=False,
+            id="prompt.page_down",
+        ),
     ]
+
+    class ScrollLog(Message):
+        def __init__(self, pages: int) -> None:
+            super().__init__()
+            self.pages = pages
 
     class Submitted(Message):
         def __init__(self, text: str, t_enter: float) -> None:
@@ -59,6 +73,9 @@ class Prompt(TextArea):
 
     def action_newline(self) -> None:
         self.call_later(self.insert, "\n")
+
+    def action_scroll_log(self, pages: int) -> None:
+        self.post_message(self.ScrollLog(pages))
 
     def _send(self, t_enter: float) -> None:
         text = self.text
