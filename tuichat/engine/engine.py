@@ -17,7 +17,7 @@ import torch
 
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine import attention
-from tuichat.engine.fusion import fuse_projections
+from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache
 from tuichat.engine.request import RequestOutput, Sequence, Status
@@ -36,7 +36,7 @@ class EngineConfig:
     batching: str = "continuous"
     prefix_cache: bool = True
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
-    fuse_projections: bool = True  # one matmul for q/k/v and one for gate/up (see fusion.py)
+    fast_linears: bool = True  # fused q/k/v and gate/up, gemv for single rows (see fusion.py)
 
 
 def _model_dims(config) -> tuple[int, int, int, int]:
@@ -88,8 +88,8 @@ class Engine:
             ))
             parallel.shard_model(model, 0, config.tp)
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype, layer_devices)
-        if config.fuse_projections:
-            fuse_projections(model)
+        if config.fast_linears:
+            speed_up_linears(model)
         model.set_attn_implementation(attention.register())
         if config.tp > 1:
             self.runner = parallel.TensorParallelRunner(

@@ -1,10 +1,12 @@
-"""Fused projections for transformers' decoder layers, without touching their forward code.
+"""Faster linears for transformers' decoder layers, without touching their forward code.
 
-At decode time a CPU step is dominated by per-call matmul overhead rather than by bytes: q, k and v (and
-gate and up) are small matmuls of the same input. transformers has no switch to fuse them for standard
-models, so we concatenate their weights into one matmul and let the original attribute names hand out
-slices of its result. The layer's forward calls q, k, v (gate, up) one after another on the same tensor;
-the first call computes all of them, the others take their slice.
+At decode time a CPU step is dominated by per-call matmul overhead rather than by bytes:
+- q, k and v (and gate and up) are small matmuls of the same input. transformers has no switch to fuse them
+  for standard models, so we concatenate their weights into one matmul and let the original attribute
+  names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
+  the same tensor; the first call computes all of them, the others take their slice.
+- A single row (one decoding tab) goes through a matrix-vector kernel: on this CPU, torch's bf16 gemv
+  reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2 vs 8.4 ms, one thread).
 """
 
 from __future__ import annotations
@@ -14,6 +16,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.numel() == x.shape[-1] and x.device.type == "cpu":
+        y = torch.mv(weight, x.reshape(-1))
+        y = y if bias is None else y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class SingleRowLinear(nn.Linear):
+    """nn.Linear whose forward takes the gemv path for one row; swapped in by class, weights untouched."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(nn.Module):
@@ -31,7 +48,7 @@ class FusedLinear(nn.Module):
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0 or x is not self._input:
-            self._input, self._parts = x, F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._input, self._parts = x, linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         out = self._parts[index]
         if index == len(self.sizes) - 1:
             self._input, self._parts = None, ()  # don't keep activations alive between steps
@@ -50,8 +67,9 @@ class FusedSlice(nn.Module):
         return self._fused[0].part(x, self.index)
 
 
-def fuse_projections(model) -> int:
-    """Fuse q/k/v and gate/up in every decoder layer that has them. Returns how many groups were fused."""
+def speed_up_linears(model) -> int:
+    """Fuse q/k/v and gate/up in every decoder layer that has them, and give every remaining plain linear
+    the single-row path. Returns how many groups were fused."""
     fused = 0
     for layer in getattr(getattr(model, "model", None), "layers", ()):
         for part_name, names in _GROUPS.items():
@@ -64,4 +82,7 @@ def fuse_projections(model) -> int:
             for index, name in enumerate(names):
                 setattr(part, name, FusedSlice(group, index))
             fused += 1
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = SingleRowLinear
     return fused

@@ -21,9 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tuichat.backend import BackendError
+from tuichat.engine.fusion import linear
 from tuichat.engine.kv_cache import KVCache
 from tuichat.engine.runner import ModelRunner, StepChunk
 
@@ -44,7 +44,7 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.clone(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if y.device.type == "cpu" and y.dtype != torch.float32:
             # gloo sums 16-bit floats slowly or not at all; the sum in float32 is also more exact.
             total = y.float()
