@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -97,12 +98,15 @@ def load(
 
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
     _report(progress, f"Loading {model.name}", None)
+    kwargs = {"dtype": dtype}
+    if device_map:
+        kwargs["device_map"] = device_map
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source) if with_tokenizer else None
-        kwargs = {"dtype": dtype}
-        if device_map:
-            kwargs["device_map"] = device_map
-        weights = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        # The tokenizer (~1 s here) loads on a second thread while the weights load and cast.
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(AutoTokenizer.from_pretrained, source) if with_tokenizer else None
+            weights = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            tokenizer = tokenizer.result() if tokenizer else None
     except OSError as exc:
         raise BackendError(f"Could not load model '{model.name}': {exc}") from exc
     if not device_map:
