@@ -256,3 +256,14 @@ def test_engine_thread_serves_requests_and_reports_metrics():
     finally:
         engine.close()
     assert_free(engine)
+
+
+def test_prefix_hit_rate_is_live_while_requests_still_run():
+    model, _ = make_tiny()
+    engine = Engine(model, config=EngineConfig(num_blocks=64))
+    system = prompts_of([40], seed=12)[0]
+    engine.generate([system + [1]], GREEDY)
+    second = engine.submit(system + [2], SamplingParams(max_tokens=50))
+    engine.step()
+    assert second.status is Status.RUNNING
+    assert engine.prefix_hit_rate == pytest.approx(32 / (41 + 41))

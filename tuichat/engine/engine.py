@@ -104,8 +104,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         # Metrics.
-        self.prompt_tokens_total = 0
-        self.cached_tokens_total = 0
         self.last_batch_size = 0
         self._generated: deque[tuple[float, int]] = deque()
 
@@ -177,7 +175,6 @@ class Engine:
                     item.detok = IncrementalDetokenizer(self.tokenizer, item.token_ids)
                 item.stop_matcher = StopMatcher(item.params.stop)
                 self._sequences[item.id] = item
-                self.prompt_tokens_total += item.num_prompt_tokens
                 self.scheduler.add(item)
             elif (seq := self._sequences.get(item)) is not None:
                 seq.cancelled = True
@@ -245,8 +242,6 @@ class Engine:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        if seq.num_cached_tokens is not None:
-            self.cached_tokens_total += seq.num_cached_tokens
         self._sequences.pop(seq.id, None)
         tail = seq.stop_matcher.flush() if seq.stop_matcher is not None else ""
         self._emit(seq, tail, [], now, final=True)
@@ -294,4 +289,5 @@ class Engine:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        admitted = self.scheduler.admitted_prompt_tokens
+        return self.scheduler.admitted_cached_tokens / admitted if admitted else 0.0

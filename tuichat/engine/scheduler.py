@@ -45,6 +45,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        # Counted when a request is first admitted, so the hit rate is live while replies still stream.
+        self.admitted_prompt_tokens = 0
+        self.admitted_cached_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -110,6 +113,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # the first admission is what the user's cache hit is
                 seq.num_cached_tokens = seq.num_computed
                 seq.first_scheduled = time.monotonic()
+                self.admitted_prompt_tokens += seq.num_prompt_tokens
+                self.admitted_cached_tokens += seq.num_cached_tokens
             self.running.append(seq)
             length = min(seq.num_uncomputed, budget)
             chunks.append(ScheduledChunk(seq, seq.num_computed, length))
