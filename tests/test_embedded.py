@@ -14,16 +14,9 @@ from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.local import LocalBackend
+from tuichat.local import LocalBackend, chat_ids
 
 QUESTION = [Message("user", "Name three primary colors.")]
-
-
-def chat_ids(tokenizer, messages):
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_conversion_is_cached_and_reused(embedded, session_cache):

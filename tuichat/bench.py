@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from tuichat import catalog
 from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.local import chat_ids
 
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference")
 PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp")
@@ -445,24 +446,6 @@ async def run_tabs(backend, conversations: Sequence[Sequence[Message]], params: 
 
 
 # -- peers: transformers directly -----------------------------------------------------------------------------------
-def chat_ids(tokenizer, messages: Sequence[Message]) -> list[int]:
-    """The prompt ids LocalBackend builds for a new conversation (template rendered, then tokenized)."""
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every EOS id the model's configs and tokenizer name (the engine stops on the same set)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return sorted(ids)
 
 
 class HFPeer:
@@ -473,13 +456,14 @@ class HFPeer:
         import torch
 
         from tuichat.engine import loader
+        from tuichat.engine.engine import eos_token_ids
 
         self.torch = torch
         # The same per-step token budget as tuichat's engine default (512 on a CPU, 8192 on CUDA).
         self.max_batched_tokens = max_batched_tokens or (8192 if torch.device(device).type == "cuda" else 512)
         self.model, self.tokenizer = loader.load(resolved, device, dtype, device_map)
         self.device = next(self.model.parameters()).device
-        self.eos = eos_ids(self.model, self.tokenizer)
+        self.eos = sorted(eos_token_ids(self.model, self.tokenizer))  # the set the engine stops on
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self._warm: set[str] = set()
 

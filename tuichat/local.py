@@ -48,6 +48,18 @@ class _Loaded:
     last_used: float
 
 
+def chat_text(tokenizer, messages: Sequence[Message]) -> str:
+    """The model's own chat template, ready for the assistant's reply; no system message is added here."""
+    return tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+
+
+def chat_ids(tokenizer, messages: Sequence[Message]) -> list[int]:
+    """A new conversation's prompt ids, as LocalBackend builds them."""
+    return tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
 class LocalBackend:
     def __init__(self, options: EngineOptions = EngineOptions(), default_model: str = catalog.EMBEDDED_ALIAS,
                  extra_models: Sequence[str] = ()) -> None:
@@ -110,9 +122,7 @@ class LocalBackend:
         if not messages or messages[-1].role != "user" or not messages[-1].content.strip():
             raise BackendError("The prompt is empty.")
         try:
-            rendered = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
-            )
+            rendered = chat_text(tokenizer, messages)
         except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
             raise BackendError(f"{model}'s chat template rejected the conversation: {exc}") from exc
         previous = self._conversations.get(conversation_id)

@@ -47,7 +47,8 @@ def _model_dims(config) -> tuple[int, int, int, int]:
     return text.num_hidden_layers, heads, kv_heads, head_dim
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """Every EOS id the model's configs and the tokenizer name: chat models often list several."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -97,7 +98,7 @@ class Engine:
             )
         else:
             self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
-        self.eos_ids = _eos_ids(model, tokenizer) if tokenizer is not None else _eos_ids(model, None)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
         self._wake = threading.Event()
