@@ -143,3 +143,15 @@ def test_ask_bad_input_is_one_clear_line(embedded, args, message):
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_models_lists_embedded_and_config_models(embedded, tmp_path, monkeypatch):
+    config_dir = tmp_path / "config"
+    config_dir.mkdir(exist_ok=True)
+    (config_dir / "config.toml").write_text('models = ["someorg/some-model"]\n')
+    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(config_dir))
+    result = run_cli("models")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("smollm2-135m") and "embedded" in lines[0]
+    assert any(line.startswith("someorg/some-model") and "config" in line for line in lines)

@@ -102,3 +102,14 @@ def test_embedded_model_tp3_gives_the_same_greedy_text(embedded):
     finally:
         engine.close()
     assert seq.completion_ids == hf_greedy(reference, prompt, 20, eos_token_id=tokenizer.eos_token_id)
+
+
+def test_device_map_auto_loads_and_matches_generate(tiny_source):
+    from transformers import AutoModelForCausalLM
+
+    source, reference = tiny_source
+    spread = AutoModelForCausalLM.from_pretrained(source.source, dtype=torch.float32, device_map="auto").eval()
+    engine = Engine(spread, config=EngineConfig(num_blocks=32))
+    prompt = list(range(7, 30))
+    (seq,) = engine.generate([prompt], GREEDY)
+    assert seq.completion_ids == hf_greedy(reference, prompt, 10)
