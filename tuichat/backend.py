@@ -143,6 +143,7 @@ class Backend(Protocol):
         ...
 
     def list_models(self) -> list[ModelInfo]:
+        """Safe to call from any thread (it scans folders; it may be slow, so UIs call it off the loop)."""
         ...
 
     async def close(self) -> None:
