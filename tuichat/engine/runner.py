@@ -67,9 +67,10 @@ class ModelRunner:
             padded = [self._slots(c.block_table, 0, n) + [0] * (longest - n) for c, n in zip(decodes, lengths)]
             ctx.num_decode = len(decodes)
             ctx.decode_slots = self._tensor(padded)
-            ctx.decode_mask = (
-                torch.arange(longest, device=self.device)[None, :] < self._tensor(lengths)[:, None]
-            )[:, None, None, :]
+            if min(lengths) < longest:  # equal lengths (one tab, say) need no mask: SDPA's fastest path
+                ctx.decode_mask = (
+                    torch.arange(longest, device=self.device)[None, :] < self._tensor(lengths)[:, None]
+                )[:, None, None, :]
         offset = len(decodes)
         for chunk in chunks[len(decodes) :]:
             length = len(chunk.token_ids)
