@@ -113,3 +113,22 @@ def test_device_map_auto_loads_and_matches_generate(tiny_source):
     prompt = list(range(7, 30))
     (seq,) = engine.generate([prompt], GREEDY)
     assert seq.completion_ids == hf_greedy(reference, prompt, 10)
+
+
+def test_tp2_preemption_and_cancel_work_unchanged(tiny_source):
+    source, reference = tiny_source
+    engine = Engine(load_tiny(source), config=EngineConfig(num_blocks=6, tp=2), source=source)
+    try:
+        prompts = [list(range(40, 80)), list(range(90, 131))]
+        seqs = engine.generate(prompts, SamplingParams(max_tokens=30))
+        assert engine.scheduler.num_preemptions > 0
+        for prompt, seq in zip(prompts, seqs):
+            assert seq.completion_ids == hf_greedy(reference, prompt, 30)
+        victim = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=50))
+        for _ in range(3):
+            engine.step()
+        engine.cancel(victim.id)
+        engine.step()
+        assert victim.finish_reason == "cancelled" and engine.blocks.num_used == 0
+    finally:
+        engine.close()
