@@ -51,20 +51,25 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+def _main_help() -> str:
+    from tuichat.paths import location
+
+    return f"""tuichat: chat with local models in your terminal; see batching and caching at work.
+
+    \b
+    Files (move them with TUICHAT_CONFIG_DIR, TUICHAT_DATA_DIR, TUICHAT_CACHE_DIR):
+      config   {location('config')}/config.toml, themes/
+      history  {location('data')}/history.sqlite3
+      cache    {location('cache')}/models (converted models)
+    """
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]},
+             help=_main_help())
 @click.option("--model", "-m", default=None, help="Model for new tabs: smollm2-135m, a folder, a .gguf, a hub id.")
 @engine_options
 @click.pass_context
 def main(ctx: click.Context, model, **engine_flags) -> None:
-    """tuichat: chat with local models in your terminal; see batching and caching at work.
-
-    \b
-    Files:
-      config   TUICHAT_CONFIG_DIR or the platform config dir (config.toml, themes/)
-      history  TUICHAT_DATA_DIR or the platform data dir (history.sqlite3)
-      cache    TUICHAT_CACHE_DIR or the platform cache dir (converted models)
-    Run `tuichat paths` to print them.
-    """
     ctx.obj = {"model": model, "engine_flags": engine_flags}
     if ctx.invoked_subcommand is not None:
         return
@@ -228,3 +233,4 @@ def bench(ctx, model, quick, scenarios, tabs, turns, max_tokens, peers, as_json,
         bench_module.main(settings, as_json=as_json, plot_path=plot_path)
     except BackendError as exc:
         _fail(str(exc))
+
