@@ -1,0 +1,162 @@
+"""Frame cost in a long conversation: run `python -m tests.test_ui_long` for numbers (no asserts).
+
+(a) restoring a 300-message tab: app start until the first frame, and opening it from history;
+(b) streaming a reply at the end of it: frames (layout + compositor update) per token and their cost;
+(c) key → prompt document and key → next frame, while that reply streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from textual import events
+from textual.screen import Screen
+from textual.widgets import TextArea
+
+from tests.fake_backend import FakeBackend
+from tuichat.config import Config
+from tuichat.store import Store
+from tuichat.ui.app import TuichatApp
+from tuichat.ui.demo import REPLIES
+
+SIZE = (110, 36)
+
+
+def fill(store: Store, messages: int, title: str = "long") -> str:
+    conversation = store.create_conversation(title, "smollm2-135m")
+    for index in range(messages // 2):
+        store.add_message(conversation, "user", f"question {index}: tell me about thing {index}")
+        store.add_message(
+            conversation, "assistant", f"Answer {index}.\n\n" + REPLIES[index % len(REPLIES)],
+            meta={"model": "smollm2-135m", "ttft_ms": 100.0},
+        )
+    return conversation
+
+
+class Frames:
+    """Times Screen._on_timer_update (layout + compositor update) and _refresh_layout."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[float, float]] = []  # (end perf_counter, duration ms)
+        self.layouts: list[float] = []
+        self._on_timer_update = Screen._on_timer_update
+        self._refresh_layout = Screen._refresh_layout
+
+    def __enter__(self):
+        frames = self
+
+        def on_timer_update(screen):
+            start = time.perf_counter()
+            frames._on_timer_update(screen)
+            end = time.perf_counter()
+            frames.frames.append((end, (end - start) * 1000))
+
+        def refresh_layout(screen, *args, **kwargs):
+            start = time.perf_counter()
+            frames._refresh_layout(screen, *args, **kwargs)
+            frames.layouts.append((time.perf_counter() - start) * 1000)
+
+        Screen._on_timer_update = on_timer_update
+        Screen._refresh_layout = refresh_layout
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Screen._on_timer_update = self._on_timer_update
+        Screen._refresh_layout = self._refresh_layout
+
+    def clear(self) -> None:
+        self.frames.clear()
+        self.layouts.clear()
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "n=0"
+    values = sorted(values)
+    return (
+        f"n={len(values)} p50 {statistics.median(values):.1f} p90 {values[int(len(values) * 0.9)]:.1f} "
+        f"max {values[-1]:.1f} ms"
+    )
+
+
+async def measure(messages: int) -> None:
+    store = Store()
+    long_id = fill(store, messages)
+    store.set_setting("active_conversation", long_id)
+    closed_id = fill(store, messages, "closed")
+    store.set_open(closed_id, False)
+    long_reply = "\n\n".join(REPLIES * 6)
+    backend = FakeBackend(first_token_s=0.05, token_s=0.01, replies=[long_reply])
+    inserted: dict[str, float] = {}
+
+    def hook(message) -> None:
+        if isinstance(message, TextArea.Changed) and message.text_area.text:
+            inserted.setdefault(message.text_area.text[-1], time.perf_counter())
+
+    with Frames() as frames:
+        app = TuichatApp(lambda: backend, Config(), store)
+        app.animation_level = "none"
+        start = time.perf_counter()
+        async with app.run_test(size=SIZE, message_hook=hook) as pilot:
+            await pilot.pause()
+            startup = (time.perf_counter() - start) * 1000
+            tab = app.active_tab
+            mounted = len(tab._messages())
+            widgets = len(list(tab.query("*")))
+            print(f"(a) start with a {messages}-message tab: {startup:.0f} ms to first frame "
+                  f"({mounted} messages mounted, {widgets} widgets in the tab)")
+            frames.clear()
+            start = time.perf_counter()
+            await app.open_conversation(closed_id)
+            await pilot.pause()
+            print(f"(a) open a closed {messages}-message conversation: {(time.perf_counter() - start) * 1000:.0f} ms")
+            app.activate(tab)
+            await pilot.pause()
+            while "smollm2-135m" not in backend.loaded:
+                await asyncio.sleep(0.01)
+
+            # (b) stream a long reply at the end of the long tab
+            frames.clear()
+            tab.prompt.insert("one more")
+            tab.prompt.action_send()
+            while not tab.busy or not tab.last_reply().has_text:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(1.0)
+            tokens = tab.meter.turn.tokens
+            print(f"(b) streaming at 100 tok/s for 1 s ({tokens} tokens): frames {summary([d for _, d in frames.frames])}; "
+                  f"layouts {summary(frames.layouts)}; busy {sum(d for _, d in frames.frames) / max(tokens, 1):.1f} "
+                  f"ms of frame work per token")
+
+            # (c) keys while it streams
+            frames.clear()
+            key_doc, key_frame = [], []
+            for index in range(30):
+                character = chr(ord("a") + index % 26)
+                inserted.pop(character, None)
+                sent = time.perf_counter()
+                app.post_message(events.Key(character, character))
+                while character not in inserted:
+                    await asyncio.sleep(0.001)
+                key_doc.append((inserted[character] - sent) * 1000)
+                while not any(end > inserted[character] for end, _ in frames.frames):
+                    await asyncio.sleep(0.001)
+                painted = next(end for end, _ in frames.frames if end > inserted[character])
+                key_frame.append((painted - sent) * 1000)
+                await asyncio.sleep(0.03)
+            assert tab.busy, "the reply should still stream"
+            print(f"(c) key → prompt document: {summary(key_doc)}")
+            print(f"(c) key → next frame done: {summary(key_frame)}")
+            tab.stop()
+            while tab.busy:
+                await asyncio.sleep(0.01)
+
+
+if __name__ == "__main__":
+    for name in ("CONFIG", "DATA", "CACHE"):
+        os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
+    asyncio.run(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 300))
