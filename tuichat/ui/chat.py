@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
+from textual import events
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.css.query import NoMatches
+from textual.message import Message as UIMessage
 from textual.widgets import Markdown, Static, TabbedContent, TabPane
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 from textual.worker import Worker, WorkerState
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 FLUSH_S = 1.0  # how often a streaming reply is written to the store, so a crash loses at most this much
 NEW_TITLE = "New chat"
 TITLE_CHARS = 40
+# Every layout (a streamed token, a keypress that wraps) walks every widget mounted in the visible tab, so a
+# tab mounts only its last WINDOW messages; earlier ones are mounted PAGE at a time on demand.
+WINDOW = 40
+PAGE = 20
 
 
 def sampling_key(conversation_id: str) -> str:
@@ -35,6 +41,54 @@ class UserMessage(Static):
         super().__init__(text, markup=False, classes="message user", id=f"msg-{message_id}")
         self.text = text
         self.message_id = message_id
+
+
+@dataclass
+class Past:
+    """A message of the conversation that is not mounted (above the tab's window)."""
+
+    role: str  # "user" or "assistant"
+    text: str
+    message_id: int
+    status: str = "done"
+    model: str = ""
+    error: str | None = None
+
+    @classmethod
+    def from_row(cls, row: MessageRow) -> Past:
+        return cls(row.role, row.content, row.id, row.status, row.meta.get("model", ""), row.meta.get("error"))
+
+    @classmethod
+    def from_widget(cls, widget: UserMessage | AssistantMessage) -> Past:
+        if isinstance(widget, UserMessage):
+            return cls("user", widget.text, widget.message_id)
+        return cls("assistant", widget.text, widget.message_id, widget.status, widget.model, widget.error)
+
+    def widget(self) -> UserMessage | AssistantMessage:
+        if self.role == "user":
+            return UserMessage(self.text, self.message_id)
+        return AssistantMessage(
+            self.text, status=self.status, message_id=self.message_id, model=self.model, error=self.error
+        )
+
+
+class EarlierMessages(Static):
+    """The top line of a log whose earlier messages are not mounted: a click (or PageUp, or scrolling to
+    the top) mounts the previous page."""
+
+    def on_click(self, event: events.Click) -> None:
+        event.stop()
+        self.post_message(MessageLog.ShowEarlier())
+
+
+class MessageLog(VerticalScroll):
+    class ShowEarlier(UIMessage):
+        """Mount the previous page of messages."""
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if new_value <= 0 < old_value:  # the user scrolled to the top
+            self.post_message(self.ShowEarlier())
 
 
 class AssistantMessage(Vertical):
@@ -124,6 +178,7 @@ class ChatTab(TabPane):
         self.model = model
         self.sampling = sampling
         self._rows = list(rows)
+        self._earlier: list[Past] = []  # messages above the mounted window, oldest first
         self._turn: Worker | None = None
         self._stop_requested = False
         self.last_usage: Usage | None = None
@@ -144,29 +199,24 @@ class ChatTab(TabPane):
 
     def compose(self):
         yield self.model_bar
-        with VerticalScroll(classes="log"):
-            for row in self._rows:
-                if row.role == "user":
-                    yield UserMessage(row.content, row.id)
-                elif row.role == "assistant":
-                    yield AssistantMessage(
-                        row.content,
-                        status=row.status,
-                        message_id=row.id,
-                        model=row.meta.get("model", ""),
-                        error=row.meta.get("error"),
-                    )
+        past = [Past.from_row(row) for row in self._rows if row.role in ("user", "assistant")]
+        self._earlier = past[:-WINDOW]  # oldest first; the window is mounted below them
+        with MessageLog(classes="log"):
+            yield EarlierMessages(classes="earlier")
+            for message in past[-WINDOW:]:
+                yield message.widget()
         yield self.meter
         yield self.prompt
 
     def on_mount(self) -> None:
         self._rows.clear()  # only needed to compose
+        self._show_earlier_count()
         self.log_view.anchor()  # follow new text until the user scrolls up; resumes at the bottom
         self.refresh_model_bar()
 
     @property
-    def log_view(self) -> VerticalScroll:
-        return self.query_one(".log", VerticalScroll)
+    def log_view(self) -> MessageLog:
+        return self.query_one(".log", MessageLog)
 
     @property
     def busy(self) -> bool:
@@ -233,31 +283,101 @@ class ChatTab(TabPane):
         the user message it answered, which usually comes back edited or resent)."""
         system = self.app.config.system_prompt
         context = [Message("system", system)] if system else []
-        messages = self._messages()
-        for index, widget in enumerate(messages):
+        messages = [*self._earlier, *map(Past.from_widget, self._messages())]
+        for index, message in enumerate(messages):
             following = messages[index + 1] if index + 1 < len(messages) else None
-            if isinstance(widget, UserMessage):
-                if not (isinstance(following, AssistantMessage) and following.status == "error"):
-                    context.append(Message("user", widget.text))
-            elif widget.status != "error" and widget.text:
-                context.append(Message("assistant", widget.text))
+            if message.role == "user":
+                if not (following is not None and following.role == "assistant" and following.status == "error"):
+                    context.append(Message("user", message.text))
+            elif message.status != "error" and message.text:
+                context.append(Message("assistant", message.text))
         return context
 
-    def reveal(self, message_id: int) -> None:
+    # --- the mounted window -------------------------------------------------------------------------
+
+    @property
+    def earlier_count(self) -> int:
+        """Messages of the conversation above the mounted window."""
+        return len(self._earlier)
+
+    def _show_earlier_count(self) -> None:
+        bar = self.log_view.query_one(EarlierMessages)
+        count = len(self._earlier)
+        bar.display = count > 0
+        if count:
+            bar.update(
+                Content.assemble(
+                    ("▲ ", "$accent"),
+                    f"{count} earlier message{'s' if count != 1 else ''}",
+                    (" · click, or PageUp at the top, to show more", "dim"),
+                )
+            )
+
+    async def show_earlier(self, count: int = PAGE) -> int:
+        """Mount the `count` messages just above the window, keeping the view on what it showed. Returns
+        how many were mounted."""
+        count = min(count, len(self._earlier))
+        if count <= 0:
+            return 0
+        log = self.log_view
+        page, self._earlier[-count:] = self._earlier[-count:], []
+        mounted = self._messages()
+        first = mounted[0] if mounted else None
+        top_before = first.virtual_region.y if first is not None else 0
+        await log.mount_all([message.widget() for message in page], after=log.query_one(EarlierMessages))
+        self._show_earlier_count()
+        if first is not None and log.scroll_y < log.max_scroll_y:  # not following: stay on the same text
+
+            def keep_place() -> None:
+                shift = first.virtual_region.y - top_before
+                log.scroll_to(y=log.scroll_y + shift, animate=False, immediate=True)
+
+            self.call_after_refresh(keep_place)
+        return count
+
+    async def _trim(self) -> None:
+        """Unmount the oldest messages beyond WINDOW (a new turn follows the bottom, so they are out of
+        sight); they stay in the conversation, mountable again."""
+        mounted = self._messages()
+        excess = mounted[: max(len(mounted) - WINDOW, 0)]
+        if excess:
+            self._earlier.extend(map(Past.from_widget, excess))
+            await self.log_view.remove_children(excess)
+            self._show_earlier_count()
+
+    async def _refill(self) -> None:
+        """After messages at the bottom went away: mount earlier ones back up to WINDOW."""
+        missing = WINDOW - len(self._messages())
+        if missing > 0 and self._earlier:
+            await self.show_earlier(missing)
+
+    async def on_message_log_show_earlier(self, event: MessageLog.ShowEarlier) -> None:
+        event.stop()
+        await self.show_earlier()
+
+    async def reveal(self, message_id: int) -> None:
+        """Scroll to a message (a search hit) and highlight it for a moment, mounting it if it is earlier."""
+        index = next((i for i, m in enumerate(self._earlier) if m.message_id == message_id), None)
+        if index is not None:
+            await self.show_earlier(len(self._earlier) - index)
         try:
             widget = self.log_view.query_one(f"#msg-{message_id}")
         except NoMatches:
             return
-        self.log_view.scroll_to_center(widget, animate=False)
         widget.add_class("-found")
         self.set_timer(3, lambda: widget.remove_class("-found"))
+        # After a refresh: a page just mounted has no layout yet.
+        self.call_after_refresh(self.log_view.scroll_to_center, widget, animate=False)
 
-    def on_prompt_scroll_log(self, event: Prompt.ScrollLog) -> None:
+    async def on_prompt_scroll_log(self, event: Prompt.ScrollLog) -> None:
         # A user scroll: scrolling up stops following new text, reaching the bottom resumes it.
+        log = self.log_view
         if event.pages < 0:
-            self.log_view.scroll_page_up()
+            if log.scroll_y <= 0:  # already at the top: show earlier messages
+                await self.show_earlier()
+            log.scroll_page_up()
         else:
-            self.log_view.scroll_page_down()
+            log.scroll_page_down()
 
     # --- turns --------------------------------------------------------------------------------------
 
@@ -286,6 +406,7 @@ class ChatTab(TabPane):
         )
         model = self.app.model_name(self.model)
         reply = AssistantMessage("", status="streaming", message_id=message_id, model=model)
+        await self._trim()
         await self.log_view.mount(reply)
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
@@ -364,6 +485,7 @@ class ChatTab(TabPane):
         for widget in removed:
             self.app.store.delete_message(widget.message_id)
         await self.log_view.remove_children(removed)
+        await self._refill()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         # Backend failures are caught in _stream_reply; what gets here is a bug of ours. Say so, and free
@@ -405,6 +527,7 @@ class ChatTab(TabPane):
         if self.busy:
             self.app.notify("A reply is still coming: Esc stops it first.", severity="warning")
             return
+        await self._refill()
         messages = self._messages()
         if not messages or not isinstance(messages[-1], AssistantMessage):
             self.app.notify("No reply to regenerate.", severity="warning")
@@ -423,6 +546,9 @@ class ChatTab(TabPane):
             self.app.notify("The prompt holds a draft: send or clear it first.", severity="warning")
             return
         messages = self._messages()
+        while self._earlier and not any(isinstance(w, UserMessage) for w in messages):
+            await self.show_earlier()
+            messages = self._messages()
         users = [index for index, w in enumerate(messages) if isinstance(w, UserMessage)]
         if not users:
             self.app.notify("No message to edit.", severity="warning")
@@ -434,6 +560,7 @@ class ChatTab(TabPane):
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
         await self.log_view.remove_children(tail)
+        await self._refill()
 
 
 def stored_sampling(raw: str | None, default: SamplingParams) -> SamplingParams:
