@@ -1,7 +1,9 @@
-"""Frame cost in a long conversation: run `python -m tests.test_ui_long` for numbers (no asserts).
+"""Long conversations: a tab mounts only its last WINDOW messages, so a frame costs the same at turn 150 as
+at turn 10; earlier messages mount on demand, and the model still sees them all.
 
+The tests assert behaviour, not timings. For numbers, `python -m tests.test_ui_long [messages] [window]`:
 (a) restoring a 300-message tab: app start until the first frame, and opening it from history;
-(b) streaming a reply at the end of it: frames (layout + compositor update) per token and their cost;
+(b) streaming a reply at the end of it: frames (layout + compositor update) and their cost per token;
 (c) key → prompt document and key → next frame, while that reply streams.
 """
 
@@ -13,15 +15,18 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
+import pytest
 from textual import events
 from textual.screen import Screen
-from textual.widgets import TextArea
+from textual.widgets import Markdown, TextArea
 
 from tests.fake_backend import FakeBackend
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
+from tuichat.ui.chat import PAGE, WINDOW, AssistantMessage, EarlierMessages, UserMessage
 from tuichat.ui.demo import REPLIES
 
 SIZE = (110, 36)
@@ -36,6 +41,191 @@ def fill(store: Store, messages: int, title: str = "long") -> str:
             meta={"model": "smollm2-135m", "ttft_ms": 100.0},
         )
     return conversation
+
+
+@pytest.fixture(autouse=True)
+def tuichat_dirs(tmp_path, monkeypatch):
+    for name in ("config", "data", "cache"):
+        monkeypatch.setenv(f"TUICHAT_{name.upper()}_DIR", str(tmp_path / name))
+
+
+async def until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def long_app(messages: int = 300, **backend_args) -> tuple[TuichatApp, FakeBackend, str]:
+    store = Store()
+    conversation = fill(store, messages)
+    store.set_setting("active_conversation", conversation)
+    backend = FakeBackend(**backend_args)
+    app = TuichatApp(lambda: backend, Config(), store)
+    app.animation_level = "none"
+    return app, backend, conversation
+
+
+def mounted_ids(tab) -> list[int]:
+    return [widget.message_id for widget in tab._messages()]
+
+
+async def test_a_restored_long_tab_mounts_only_its_last_messages_and_the_model_sees_them_all():
+    app, backend, conversation = long_app(300)
+    rows = app.store.messages(conversation)
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        assert mounted_ids(tab) == [row.id for row in rows[-WINDOW:]]
+        assert tab.earlier_count == 300 - WINDOW
+        bar = tab.query_one(EarlierMessages)
+        assert bar.display and f"{300 - WINDOW} earlier messages" in str(bar.render())
+        assert tab.prompt.prompt_history[0] == rows[0].content  # ↑ still reaches the first prompt
+        tab.prompt.insert("and now?")
+        await pilot.press("enter")
+        await until(lambda: backend.calls and not tab.busy, what="reply")
+        sent = backend.calls[-1]["messages"]
+        assert [m.content for m in sent if m.role != "system"] == [row.content for row in rows] + ["and now?"]
+        # A new turn keeps the window: the oldest mounted messages went back above it.
+        assert len(tab._messages()) == WINDOW and tab.earlier_count == 300 - WINDOW + 2
+        assert stored_roles(app, conversation)[-2:] == ["user", "assistant"]
+
+
+def stored_roles(app, conversation: str) -> list[str]:
+    return [row.role for row in app.store.messages(conversation)]
+
+
+TOTAL = WINDOW + 3 * PAGE
+
+
+async def test_earlier_messages_mount_a_page_at_a_time_when_scrolled_to_the_top_or_paged_up():
+    app, _, conversation = long_app(TOTAL)
+    rows = app.store.messages(conversation)
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        log = tab.log_view
+        first = tab._messages()[0]
+        log.scroll_home(animate=False)  # as the mouse wheel or scrollbar would
+        await until(lambda: len(tab._messages()) == WINDOW + PAGE, what="a page by scrolling to the top")
+        assert mounted_ids(tab) == [row.id for row in rows[-(WINDOW + PAGE) :]]
+        await pilot.pause()
+        assert log.scroll_y > 0 and first.region.overlaps(log.region)  # the view stayed on the same text
+        # PageUp in the prompt: up to the top, then once more mounts the next page.
+        for _ in range(100):
+            tab.prompt.action_scroll_log(-1)
+            await pilot.pause()
+            if len(tab._messages()) > WINDOW + PAGE:
+                break
+        assert mounted_ids(tab) == [row.id for row in rows[-(WINDOW + 2 * PAGE) :]]
+        assert tab.earlier_count == TOTAL - WINDOW - 2 * PAGE
+        assert f"{tab.earlier_count} earlier messages" in str(tab.query_one(EarlierMessages).render())
+        while tab.earlier_count:
+            await tab.show_earlier()
+        assert mounted_ids(tab) == [row.id for row in rows]
+        assert not tab.query_one(EarlierMessages).display  # nothing left above: the ▲ line goes
+
+
+async def test_a_click_on_the_earlier_line_mounts_a_page():
+    store = Store()
+    conversation = store.create_conversation("short lines", "smollm2-135m")
+    for index in range(WINDOW + 4):
+        store.add_message(conversation, "user" if index % 2 == 0 else "assistant", f"line {index}")
+    app = TuichatApp(lambda: FakeBackend(), Config(), store)
+    app.animation_level = "none"
+    async with app.run_test(size=(110, 120)) as pilot:  # tall: the window does not fill the log
+        tab = app.active_tab
+        assert tab.log_view.max_scroll_y == 0 and tab.earlier_count == 4
+        await pilot.click(EarlierMessages)
+        await until(lambda: tab.earlier_count == 0, what="the page above")
+        assert [w.text for w in tab._messages()] == [f"line {index}" for index in range(WINDOW + 4)]
+
+
+async def test_search_opens_a_hit_far_above_the_window():
+    app, _, conversation = long_app(150)
+    store = app.store
+    rows = store.messages(conversation)
+    old = rows[60]
+    store.update_message(old.id, content=old.content + " with the word quokka")
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        assert old.id not in mounted_ids(tab)
+        await pilot.press("ctrl+f", *"quokka")
+        await until(lambda: app.screen.query_one("OptionList").option_count > 0, what="hits")
+        await pilot.press("enter")
+        await until(lambda: old.id in mounted_ids(tab), what="the hit mounted")
+        widget = tab.query_one(f"#msg-{old.id}")
+        await until(lambda: widget.has_class("-found"), what="the hit highlighted")
+        await pilot.pause()
+        log = tab.log_view
+        assert log.region.contains_region(widget.region)  # in view
+        # Mounted from a little above it down to the window, in order, nothing twice.
+        assert mounted_ids(tab) == [row.id for row in rows[60 - PAGE // 2 :]]
+
+
+async def test_edit_last_and_regenerate_work_whatever_is_mounted():
+    app, backend, conversation = long_app(2 * WINDOW + 4)
+    rows = app.store.messages(conversation)
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        await until(lambda: "smollm2-135m" in backend.loaded, what="model")
+        await pilot.press("ctrl+g")
+        assert tab.prompt.text == rows[-2].content
+        assert len(tab._messages()) == WINDOW  # the window is filled back from above
+        assert mounted_ids(tab) == [row.id for row in rows[-2 - WINDOW : -2]]
+        tab.prompt.clear()
+        await pilot.press("ctrl+r")
+        await until(lambda: len(backend.calls) == 1 and not tab.busy, what="regenerated")
+        assert [m.content for m in backend.calls[0]["messages"]] == [row.content for row in rows[:-3]]
+        assert isinstance(tab._messages()[-1], AssistantMessage) and isinstance(tab._messages()[-2], UserMessage)
+
+
+async def test_a_hidden_tab_paints_its_streamed_text_when_shown():
+    """A reply streaming in a hidden tab would lay out the shown one on every token: its text waits."""
+    app, backend, _ = long_app(4, first_token_s=1.0, token_s=0.001)
+    backend.hold, backend.hold_after = asyncio.Event(), 6
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.active_tab
+        await until(lambda: "smollm2-135m" in backend.loaded, what="model")
+        first.prompt.insert("stream while hidden")
+        await pilot.press("enter", "ctrl+t")
+        await until(lambda: first.busy and len(first.last_reply()._chunks) >= 6, what="six tokens")
+        reply = first.last_reply()
+        markdown = reply.query_one(Markdown)
+        assert app.active_tab is not first and markdown.source == ""
+        await pilot.press("ctrl+pageup")
+        await until(lambda: markdown.source == reply.text, what="painted once shown")
+        backend.hold.set()
+        await until(lambda: not first.busy, what="reply finished")
+        assert markdown.source == reply.text == app.store.messages(first.conversation_id)[-1].content
+
+
+
+
+async def test_a_fast_stream_is_painted_in_bursts_and_its_first_token_at_once(monkeypatch):
+    """Each paint of a streaming reply lays out the screen: tokens arriving faster than PAINT_S share one."""
+    reply_text = " ".join(f"word{index}" for index in range(600))
+    app, backend, _ = long_app(4, first_token_s=0.05, token_s=0.001, replies=[reply_text])
+    appended: list[tuple[Markdown, str]] = []
+    append = Markdown.append
+
+    def recording_append(markdown, text):
+        appended.append((markdown, text))
+        return append(markdown, text)
+
+    monkeypatch.setattr(Markdown, "append", recording_append)
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        await until(lambda: "smollm2-135m" in backend.loaded, what="model")
+        tab.sampling = replace(tab.sampling, max_tokens=10_000)
+        tab.prompt.insert("go")
+        await pilot.press("enter")
+        await until(lambda: tab.last_reply() is not None and not tab.busy, what="reply finished")
+        markdown = tab.last_reply().query_one(Markdown)
+        assert markdown.source == reply_text
+    painted = [text for widget, text in appended if widget is markdown]
+    assert painted[0] == "word0"  # the first token alone, at once: TTFT is not delayed
+    assert reply_text.startswith("".join(painted))  # the rest came with the one full render at the end
+    assert len(painted) < 600 / 5, len(painted)
 
 
 class Frames:
@@ -126,9 +316,9 @@ async def measure(messages: int) -> None:
             tab.prompt.action_send()
             while not tab.busy or not tab.last_reply().has_text:
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.0)
             tokens = tab.meter.turn.tokens
-            print(f"(b) streaming at 100 tok/s for 1 s ({tokens} tokens): frames {summary([d for _, d in frames.frames])}; "
+            print(f"(b) streaming at 100 tok/s for 2 s ({tokens} tokens arrived): frames {summary([d for _, d in frames.frames])}; "
                   f"layouts {summary(frames.layouts)}; busy {sum(d for _, d in frames.frames) / max(tokens, 1):.1f} "
                   f"ms of frame work per token")
 
@@ -159,4 +349,8 @@ async def measure(messages: int) -> None:
 if __name__ == "__main__":
     for name in ("CONFIG", "DATA", "CACHE"):
         os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
+    if len(sys.argv) > 2:  # try another window size
+        import tuichat.ui.chat
+
+        tuichat.ui.chat.WINDOW = int(sys.argv[2])
     asyncio.run(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 300))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
@@ -12,6 +13,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.css.query import NoMatches
 from textual.message import Message as UIMessage
+from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Markdown, Static, TabbedContent, TabPane
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 from textual.worker import Worker, WorkerState
@@ -27,9 +30,13 @@ FLUSH_S = 1.0  # how often a streaming reply is written to the store, so a crash
 NEW_TITLE = "New chat"
 TITLE_CHARS = 40
 # Every layout (a streamed token, a keypress that wraps) walks every widget mounted in the visible tab, so a
-# tab mounts only its last WINDOW messages; earlier ones are mounted PAGE at a time on demand.
-WINDOW = 40
+# tab mounts only its last WINDOW messages (several screens of text); earlier ones are mounted PAGE at a time
+# on demand. Measured (tests/test_ui_long.py): 20 mounted cost about what 2 do, 40 about half as much again.
+WINDOW = 20
 PAGE = 20
+# A streamed chunk changes the reply's height, so painting it lays out the whole screen: at most this often
+# (text then arrives in bursts of a few tokens; the first token is painted at once, for TTFT).
+PAINT_S = 0.05
 
 
 def sampling_key(conversation_id: str) -> str:
@@ -87,7 +94,7 @@ class MessageLog(VerticalScroll):
 
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
-        if new_value <= 0 < old_value:  # the user scrolled to the top
+        if new_value <= 0 < old_value and self.max_scroll_y > 0:  # scrolled to the top (not shrunk to fit)
             self.post_message(self.ShowEarlier())
 
 
@@ -107,6 +114,9 @@ class AssistantMessage(Vertical):
         self.model = model
         self.error = error
         self._stream: MarkdownStream | None = None
+        self._unpainted: list[str] = []  # streamed chunks not yet given to the Markdown widget
+        self._painted_at = 0.0  # time.monotonic() of the last paint
+        self._paint_timer: Timer | None = None
 
     def compose(self):
         yield Static(self.model, classes="role", markup=False)
@@ -130,20 +140,54 @@ class AssistantMessage(Vertical):
         self.model = model
         self.query_one(".role", Static).update(model)
 
-    async def append(self, text: str) -> None:
-        """Add a chunk. MarkdownStream re-parses only the last block and merges chunks that arrive while
-        the widget is busy, so a token costs the same at the end of a long reply as at the start."""
+    async def append(self, text: str, *, paint: bool = True) -> None:
+        """Add a chunk. It is painted at once if the last paint is PAINT_S old, else by a timer, with
+        whatever else arrives meanwhile; `paint=False` (a hidden tab) keeps it until `paint()`. Each
+        paint re-parses only the last block (MarkdownStream), so a token costs the same at the end of a
+        long reply as at the start."""
         self._chunks.append(text)
+        self._unpainted.append(text)
+        if not paint or self._paint_timer is not None:
+            return
+        wait = PAINT_S - (time.monotonic() - self._painted_at)
+        if wait <= 0:
+            await self.paint()
+        else:
+            self._paint_timer = self.set_timer(wait, self.paint)
+
+    def hold(self) -> None:
+        """Paint nothing more until `paint()` (its tab is being hidden)."""
+        if self._paint_timer is not None:
+            self._paint_timer.stop()
+            self._paint_timer = None
+
+    async def paint(self) -> None:
+        """Give the chunks not yet painted to the Markdown widget."""
+        if self._paint_timer is not None:
+            self._paint_timer.stop()
+            self._paint_timer = None
+        if not self._unpainted:
+            return
+        text = "".join(self._unpainted)
+        self._unpainted.clear()
+        self._painted_at = time.monotonic()
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
 
     async def finish(self, status: str, error: str | None = None) -> None:
         self.status, self.error = status, error
+        if self._paint_timer is not None:
+            self._paint_timer.stop()
+            self._paint_timer = None
+        streamed = self._stream is not None or bool(self._unpainted)
+        self._unpainted.clear()
         if self._stream is not None:
-            await self._stream.stop()  # writes any chunks still pending: the last tokens are never dropped
+            await self._stream.stop()
             self._stream = None
-            # One full render: the incremental parse can leave a block split differently than a fresh one.
+        if streamed:
+            # One full render of the whole text: chunks not painted yet, and the incremental parse can
+            # leave a block split differently than a fresh one.
             await self.query_one(Markdown).update(self.text)
         self._show_status()
 
@@ -335,11 +379,11 @@ class ChatTab(TabPane):
             self.call_after_refresh(keep_place)
         return count
 
-    async def _trim(self) -> None:
-        """Unmount the oldest messages beyond WINDOW (a new turn follows the bottom, so they are out of
-        sight); they stay in the conversation, mountable again."""
+    async def _trim(self, room: int) -> None:
+        """Before `room` messages are mounted: unmount the oldest ones that would be beyond WINDOW (a new
+        turn follows the bottom, so they are out of sight); they stay in the conversation, mountable again."""
         mounted = self._messages()
-        excess = mounted[: max(len(mounted) - WINDOW, 0)]
+        excess = mounted[: max(len(mounted) + room - WINDOW, 0)]
         if excess:
             self._earlier.extend(map(Past.from_widget, excess))
             await self.log_view.remove_children(excess)
@@ -351,6 +395,16 @@ class ChatTab(TabPane):
         if missing > 0 and self._earlier:
             await self.show_earlier(missing)
 
+    async def on_show(self) -> None:
+        reply = self.last_reply()
+        if reply is not None and self.busy:
+            await reply.paint()  # what streamed while the tab was hidden
+
+    def on_hide(self) -> None:
+        reply = self.last_reply()
+        if reply is not None and self.busy:
+            reply.hold()
+
     async def on_message_log_show_earlier(self, event: MessageLog.ShowEarlier) -> None:
         event.stop()
         await self.show_earlier()
@@ -358,16 +412,23 @@ class ChatTab(TabPane):
     async def reveal(self, message_id: int) -> None:
         """Scroll to a message (a search hit) and highlight it for a moment, mounting it if it is earlier."""
         index = next((i for i, m in enumerate(self._earlier) if m.message_id == message_id), None)
-        if index is not None:
-            await self.show_earlier(len(self._earlier) - index)
+        if index is not None:  # mount down to it, with some context above it to center it in
+            await self.show_earlier(len(self._earlier) - max(index - PAGE // 2, 0))
         try:
             widget = self.log_view.query_one(f"#msg-{message_id}")
         except NoMatches:
             return
         widget.add_class("-found")
         self.set_timer(3, lambda: widget.remove_class("-found"))
-        # After a refresh: a page just mounted has no layout yet.
-        self.call_after_refresh(self.log_view.scroll_to_center, widget, animate=False)
+        self.log_view.release_anchor()  # or the next layout scrolls back to the bottom
+        self._center(widget)
+
+    def _center(self, widget: Widget, refreshes: int = 10) -> None:
+        # A page just mounted has no place until a layout, which can take a refresh or two.
+        if widget.virtual_region.size or not refreshes:
+            self.log_view.scroll_to_center(widget, animate=False, immediate=True)
+        else:
+            self.call_after_refresh(self._center, widget, refreshes - 1)
 
     async def on_prompt_scroll_log(self, event: Prompt.ScrollLog) -> None:
         # A user scroll: scrolling up stops following new text, reaching the bottom resumes it.
@@ -396,6 +457,7 @@ class ChatTab(TabPane):
             first_line = text.strip().splitlines()[0]
             self.rename(first_line[:TITLE_CHARS] + ("…" if len(first_line) > TITLE_CHARS else ""))
         sent = UserMessage(text, message_id)
+        await self._trim(room=2)
         await self.log_view.mount(sent)
         await self._reply(t_enter, sent)
 
@@ -406,7 +468,7 @@ class ChatTab(TabPane):
         )
         model = self.app.model_name(self.model)
         reply = AssistantMessage("", status="streaming", message_id=message_id, model=model)
-        await self._trim()
+        await self._trim(room=1)
         await self.log_view.mount(reply)
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
@@ -430,7 +492,8 @@ class ChatTab(TabPane):
                 async for event in stream:
                     if event.text:
                         first = not reply.has_text
-                        await reply.append(event.text)
+                        # A hidden tab keeps its text until shown: its layouts would be the shown tab's.
+                        await reply.append(event.text, paint=self.display)
                         self.meter.chunk(event.usage.completion_tokens)
                         if first:
                             self.call_after_refresh(self.meter.first_token_painted)
