@@ -1,9 +1,10 @@
 """Long conversations: a tab mounts only its last WINDOW messages, so a frame costs the same at turn 150 as
 at turn 10; earlier messages mount on demand, and the model still sees them all.
 
-The tests assert behaviour, not timings. For numbers, `python -m tests.test_ui_long [messages] [window]`:
+The tests assert behaviour, not timings. For numbers, `[SEND_TURNS=n] python -m tests.test_ui_long [messages] [window]`:
 (a) restoring a 300-message tab: app start until the first frame, and opening it from history;
 (b) streaming a reply at the end of it: frames (layout + compositor update) and their cost per token;
+(a') with SEND_TURNS: then n turns sent in a new tab, time per turn early and late; (b) and (c) in that tab;
 (c) key → prompt document and key → next frame, while that reply streams.
 """
 
@@ -274,7 +275,7 @@ def summary(values: list[float]) -> str:
     )
 
 
-async def measure(messages: int) -> None:
+async def measure(messages: int, sent_turns: int = 0) -> None:
     store = Store()
     long_id = fill(store, messages)
     store.set_setting("active_conversation", long_id)
@@ -309,6 +310,23 @@ async def measure(messages: int) -> None:
             await pilot.pause()
             while "smollm2-135m" not in backend.loaded:
                 await asyncio.sleep(0.01)
+            if sent_turns:  # the other way to a long tab: a fresh one, by sending
+                await app.action_new_tab()
+                tab = app.active_tab
+                await pilot.pause()
+                backend.first_token_s, backend.token_s, backend.replies = 0.0, 0.0, list(REPLIES)
+                turn_ms = []
+                for turn in range(sent_turns):
+                    start = time.perf_counter()
+                    tab.prompt.insert(f"turn {turn}")
+                    tab.prompt.action_send()
+                    while len(backend.calls) <= turn or tab.busy:
+                        await asyncio.sleep(0.002)
+                    turn_ms.append((time.perf_counter() - start) * 1000)
+                tens = [f"{statistics.median(turn_ms[i : i + 10]):.0f}" for i in range(0, sent_turns, 10)]
+                print(f"(a') {sent_turns} turns sent, median ms per turn by tens of turns: {' '.join(tens)}; "
+                      f"{len(tab._messages())} messages mounted")
+                backend.first_token_s, backend.token_s, backend.replies = 0.05, 0.01, [long_reply]
 
             # (b) stream a long reply at the end of the long tab
             frames.clear()
@@ -353,4 +371,5 @@ if __name__ == "__main__":
         import tuichat.ui.chat
 
         tuichat.ui.chat.WINDOW = int(sys.argv[2])
-    asyncio.run(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 300))
+    messages = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    asyncio.run(measure(messages, int(os.environ.get("SEND_TURNS", "0"))))
