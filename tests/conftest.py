@@ -47,6 +47,9 @@ def make_tiny(arch: str = "llama", seed: int = 0):
     return model, reference
 
 
+CONVERSION_STAGES: list[tuple[str, float | None]] = []  # what the session's one GGUF conversion reported
+
+
 @pytest.fixture(scope="session")
 def embedded(session_cache):
     """The embedded model, converted into the session cache and loaded in float32 for exact comparisons:
@@ -60,7 +63,9 @@ def embedded(session_cache):
     mp.setenv("TUICHAT_CACHE_DIR", str(session_cache))
     try:
         resolved = catalog.resolve(catalog.EMBEDDED_ALIAS)
-        model, tokenizer = loader.load(resolved, torch.device("cpu"), torch.float32)
+        model, tokenizer = loader.load(
+            resolved, torch.device("cpu"), torch.float32, progress=lambda *stage: CONVERSION_STAGES.append(stage)
+        )
         reference, _ = loader.load(resolved, torch.device("cpu"), torch.float32)
     finally:
         mp.undo()

@@ -20,7 +20,15 @@ QUESTION = [Message("user", "Name three primary colors.")]
 
 
 def test_conversion_is_cached_and_reused(embedded, session_cache):
+    from conftest import CONVERSION_STAGES
+
     resolved, *_ = embedded
+    # The first load converted, with visible progress through every stage.
+    what = [w for w, _ in CONVERSION_STAGES]
+    assert what[0].startswith("Reading") and any(w.startswith("Dequantizing") for w in what)
+    assert what[-1] == "Loaded smollm2-135m"
+    fractions = [f for _, f in CONVERSION_STAGES if f is not None]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert (resolved.converted_dir / "tuichat-source.txt").is_file()
     assert resolved.converted_dir.is_relative_to(session_cache)
     stages = []

@@ -7,6 +7,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,6 +52,32 @@ def _report(progress: ProgressCallback | None, what: str, fraction: float | None
         progress(what, fraction)
 
 
+@contextmanager
+def _dequantize_progress(progress: ProgressCallback | None, name: str):
+    """transformers reports its GGUF dequantization only as a tqdm bar on stderr, invisible in the TUI; for
+    the duration of the conversion, route that loop's progress to our callback (80-90 %, in quarters)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if progress is None or not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+
+    def reporting(iterable, *args, **kwargs):
+        items = list(iterable)
+        step = max(1, len(items) // 4)
+        for i, item in enumerate(items):
+            if i % step == 0:
+                progress(f"Dequantizing {name} (first use only)", 0.8 + 0.1 * i / len(items))
+            yield item
+
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = reporting
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
     """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
     assert model.converted_dir is not None
@@ -60,14 +87,16 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(model.source)
-    _report(progress, f"Converting {model.name} from GGUF (first use only)", 0.0)
     started = time.monotonic()
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         # float32 keeps the dequantized weights exact; the requested dtype is applied at load time.
-        weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        _report(progress, f"Saving converted {model.name}", 0.7)
+        # Most of the time goes to transformers reading the GGUF's metadata, with no progress to report.
+        _report(progress, f"Reading {gguf.name} (first use only, ~20 s)", None)
+        with _dequantize_progress(progress, model.name):
+            weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _report(progress, f"Saving converted {model.name}", 0.9)
         # The weights are plain float32 tensors now; drop the GGUF marker that makes transformers refuse
         # to serialize them.
         weights.hf_quantizer = None
