@@ -216,7 +216,7 @@ def test_progress_bar_lines_without_a_terminal():
 
 def test_cli_bench_json(embedded):
     args = ["bench", "--json", "--quick", "--scenarios", "single,multiturn", "--peers", "none",
-            "--tabs", "2", "--turns", "2", "--max-tokens", "4"]
+            "--tabs", "2", "--turns", "2", "--max-tokens", "4", "--stagger-ms", "0"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + result.stderr
     data = json.loads(result.stdout)
@@ -224,6 +224,7 @@ def test_cli_bench_json(embedded):
     assert len(data["scenarios"]["multiturn"]["cache_on"]["ttft_ms"]) == 2
     assert data["scenarios"]["single"]["peers"] == {} and positive(data["scenarios"]["single"]["bare_forward_ms"])
     assert data["settings"]["peers"] == [] and data["settings"]["turn_tokens"] == 4
+    assert data["settings"]["stagger_ms"] == 0
     assert positive(data["floor"]["decode_step_ms"])
     assert "[bench" in result.stderr  # the progress bar, never on stdout
 

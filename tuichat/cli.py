@@ -199,6 +199,8 @@ def models() -> None:
 @click.option("--scenarios", default="all", show_default=True,
               help="Comma-separated: single,tabs,multiturn,shared_prefix,interference.")
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
+@click.option("--stagger-ms", type=click.FloatRange(min=0), default=None,
+              help="Gap between tab arrivals [100]; 0 sends all at once, as the peers get them.")
 @click.option("--turns", type=click.IntRange(min=1), default=None, help="Turns per conversation [8; --quick: 4].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Cap on every reply (default: 64 single/tabs, 96 per turn; --quick: 32/24/48).")
@@ -209,7 +211,8 @@ def models() -> None:
               help="Save charts to this PNG (needs the 'plot' extra: matplotlib).")
 @engine_options
 @click.pass_context
-def bench(ctx, model, quick, scenarios, tabs, turns, max_tokens, peers, as_json, plot_path, **engine_flags):
+def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, peers, as_json, plot_path,
+          **engine_flags):
     """Measure streaming, batching and caching here, next to transformers (and llama.cpp when installed).
 
     The table (or --json) goes to stdout, the progress bar to stderr. Each scenario sets --batching and
@@ -227,6 +230,7 @@ def bench(ctx, model, quick, scenarios, tabs, turns, max_tokens, peers, as_json,
             scenarios=bench_module.parse_list(scenarios, bench_module.SCENARIOS, "scenario"),
             peers=bench_module.parse_list(peers, bench_module.PEERS, "peer"),
             tabs=tabs,
+            stagger_ms=stagger_ms,
             turns=turns,
             **caps,
         )
