@@ -101,10 +101,11 @@ def list_models(extra: list[str] | None = None) -> list[ModelInfo]:
     models = [ModelInfo(EMBEDDED_ALIAS, "embedded", "SmolLM2-135M-Instruct (Q4_1 GGUF, built in)")]
     root = converted_root()
     if root.is_dir():
+        embedded = str(_safe_embedded())
         for folder in sorted(root.iterdir()):
             if (folder / "tuichat-source.txt").is_file():
                 source = (folder / "tuichat-source.txt").read_text().strip()
-                if source != str(_safe_embedded()):
+                if source != embedded:
                     models.append(ModelInfo(source, "converted", f"converted from GGUF in {folder}"))
     models += [ModelInfo(repo, "hf-cache", "in the Hugging Face cache") for repo in _hf_cache_repos()]
     known = {m.spec for m in models}

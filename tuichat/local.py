@@ -67,16 +67,23 @@ class LocalBackend:
         self.default_model = default_model
         self.extra_models = list(extra_models)
         self._loaded: dict[str, _Loaded] = {}
+        self._names: dict[str, str] = {}  # model spec -> canonical name
         self._load_lock = threading.Lock()
         self._conversations: dict[str, _Conversation] = {}
         self._in_flight: dict[str, tuple[object, int]] = {}  # conversation -> (engine, request id)
 
     # -- models -----------------------------------------------------------------------------------------
     async def load(self, model: str | None = None, progress: ProgressCallback | None = None) -> str:
-        return await asyncio.to_thread(self.load_sync, model or self.default_model, progress)
+        spec = model or self.default_model
+        name = self._names.get(spec)
+        if name in self._loaded:  # every reply calls load: skip the resolve and the thread hop
+            self._loaded[name].last_used = time.monotonic()
+            return name
+        return await asyncio.to_thread(self.load_sync, spec, progress)
 
     def load_sync(self, model: str, progress: ProgressCallback | None = None) -> str:
         resolved = catalog.resolve(model)
+        self._names[model] = resolved.name
         with self._load_lock:
             if resolved.name in self._loaded:
                 self._loaded[resolved.name].last_used = time.monotonic()
@@ -144,10 +151,8 @@ class LocalBackend:
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        name = await self.load(model or self.default_model)
-        loaded = self._loaded[name]
-        loaded.last_used = time.monotonic()
-        engine = loaded.engine
+        name = await self.load(model)
+        engine = self._loaded[name].engine
         prompt = self.prompt_ids(name, conversation_id, messages)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()

@@ -78,26 +78,25 @@ class Engine:
         layer_devices = self._layer_devices(num_layers)
         budget = config.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(self.blocks, budget, config.max_num_seqs, config.batching)
+        self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype, layer_devices)
         if config.tp > 1:
             from tuichat.engine import parallel
 
-            parallel.check_shardable(model.config, config.tp)
-            spec, workers, plan_group = parallel.start_workers(dict(
+            parallel.check_shardable(model.config, config.tp)  # before spawning anything
+            workers, plan_group = parallel.start_workers(dict(
                 resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
                 world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
                 head_dim=head_dim, num_layers=num_layers,
             ))
             parallel.shard_model(model, 0, config.tp)
-        self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype, layer_devices)
-        if config.fast_linears:
-            speed_up_linears(model)
-        model.set_attn_implementation(attention.register())
-        if config.tp > 1:
             self.runner = parallel.TensorParallelRunner(
                 model, self.kv, config.block_size, self.device, workers, plan_group
             )
         else:
             self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
+        if config.fast_linears:  # after sharding: the fused weights are the rank's slices
+            speed_up_linears(model)
+        model.set_attn_implementation(attention.register())
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads

@@ -188,7 +188,7 @@ class TensorParallelRunner(ModelRunner):
             dist.destroy_process_group()
 
 
-def start_workers(spec_fields: dict, progress=None) -> tuple[WorkerSpec, list, dist.ProcessGroup]:
+def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup]:
     """Spawn ranks 1..N-1, join the process group as rank 0, and wait until every worker holds its shard."""
     if dist.is_initialized():
         raise BackendError("Another tensor-parallel model is loaded; close it first.")
@@ -213,12 +213,10 @@ def start_workers(spec_fields: dict, progress=None) -> tuple[WorkerSpec, list, d
             message = pipe.recv()
             if message != "ready":
                 raise BackendError(f"tensor-parallel worker {rank} failed to start: {message}")
-            if progress:
-                progress(f"TP rank {rank} ready", rank / (world - 1))
     except BaseException:
         for proc in workers:
             proc.terminate()
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    return spec, workers, plan_group
+    return workers, plan_group
