@@ -44,6 +44,12 @@ def set_context(ctx: StepContext | None) -> None:
     _local.ctx = ctx
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots], through index_select on the flat slot list: 4–5x faster on CPU than advanced indexing
+    with a 2-D index (129 vs 27 us for 8 x 300 slots here)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx: StepContext = _local.ctx
     layer = module.layer_idx
@@ -59,8 +65,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     b = ctx.num_decode
     if b:
         q = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        k = k_cache[ctx.decode_slots].transpose(1, 2)  # [B, KV, Lmax, D]
-        v = v_cache[ctx.decode_slots].transpose(1, 2)
+        k = _gather(k_cache, ctx.decode_slots).transpose(1, 2)  # [B, KV, Lmax, D]
+        v = _gather(v_cache, ctx.decode_slots).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
         out[:b] = o[:, :, 0]
     for span in ctx.prefills:
@@ -71,8 +77,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                 q, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            k = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
-            v = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            k = _gather(k_cache, span.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
+            v = _gather(v_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scaling, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from tuichat.backend import BackendError, SamplingParams
-from tuichat.engine import attention
+from tuichat.engine import attention, cpu_kernel
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache
@@ -36,7 +36,7 @@ class EngineConfig:
     batching: str = "continuous"
     prefix_cache: bool = True
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
-    fast_linears: bool = True  # fused q/k/v and gate/up, gemv for single rows (see fusion.py)
+    fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
 
 
 def _model_dims(config) -> tuple[int, int, int, int]:
@@ -94,8 +94,12 @@ class Engine:
             )
         else:
             self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
+        self.matmul = "torch"  # which kernels decode steps use, for the stats panel and the bench
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
-            speed_up_linears(model)
+            kernel = None
+            if self.device.type == "cpu" and self.dtype is torch.bfloat16:
+                kernel, self.matmul = cpu_kernel.load()
+            speed_up_linears(model, kernel)
         model.set_attn_implementation(attention.register())
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}

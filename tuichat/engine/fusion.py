@@ -5,8 +5,10 @@ At decode time a CPU step is dominated by per-call matmul overhead rather than b
   for standard models, so we concatenate their weights into one matmul and let the original attribute
   names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
   the same tensor; the first call computes all of them, the others take their slice.
-- A single row (one decoding tab) goes through a matrix-vector kernel: on this CPU, torch's bf16 gemv
-  reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2 vs 8.4 ms, one thread).
+- A decode step's few rows (up to 16: one per decoding tab) go through the AMX kernel of cpu_kernel.py when
+  the model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: on
+  this CPU torch's bf16 gemv reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2
+  vs 8.4 ms, one thread).
 """
 
 from __future__ import annotations
@@ -15,22 +17,31 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tuichat.engine.cpu_kernel import MAX_ROWS, AmxLinear
+
 _GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.numel() == x.shape[-1] and x.device.type == "cpu":
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: AmxLinear | None = None
+) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if kernel is not None and rows <= MAX_ROWS:
+        return kernel(x, weight, bias)
+    if rows == 1 and x.device.type == "cpu":
         y = torch.mv(weight, x.reshape(-1))
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-class SingleRowLinear(nn.Linear):
-    """nn.Linear whose forward takes the gemv path for one row; swapped in by class, weights untouched."""
+class DecodeLinear(nn.Linear):
+    """nn.Linear whose forward takes the decode paths for few rows; swapped in by class, weights untouched."""
+
+    kernel: AmxLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernel)
 
 
 class FusedLinear(nn.Module):
@@ -43,12 +54,13 @@ class FusedLinear(nn.Module):
             parts = [b.data if b is not None else l.weight.new_zeros(l.out_features) for b, l in zip(biases, linears)]
             self.bias = nn.Parameter(torch.cat(parts), requires_grad=False)
         self.sizes = [l.out_features for l in linears]
+        self.kernel: AmxLinear | None = None
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0 or x is not self._input:
-            self._input, self._parts = x, linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._input, self._parts = x, linear(x, self.weight, self.bias, self.kernel).split(self.sizes, dim=-1)
         out = self._parts[index]
         if index == len(self.sizes) - 1:
             self._input, self._parts = None, ()  # don't keep activations alive between steps
@@ -67,9 +79,9 @@ class FusedSlice(nn.Module):
         return self._fused[0].part(x, self.index)
 
 
-def speed_up_linears(model) -> int:
+def speed_up_linears(model, kernel: AmxLinear | None = None) -> int:
     """Fuse q/k/v and gate/up in every decoder layer that has them, and give every remaining plain linear
-    the single-row path. Returns how many groups were fused."""
+    the decode paths; `kernel` goes to each linear whose weights suit it. Returns how many groups were fused."""
     fused = 0
     for layer in getattr(getattr(model, "model", None), "layers", ()):
         for part_name, names in _GROUPS.items():
@@ -84,5 +96,7 @@ def speed_up_linears(model) -> int:
             fused += 1
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.__class__ = SingleRowLinear
+            module.__class__ = DecodeLinear
+        if isinstance(module, (DecodeLinear, FusedLinear)) and kernel is not None and kernel.fits(module.weight, module.bias):
+            module.kernel = kernel
     return fused

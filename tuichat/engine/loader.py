@@ -14,6 +14,7 @@ import torch
 
 from tuichat.backend import BackendError, ProgressCallback
 from tuichat.catalog import ResolvedModel
+from tuichat.engine.cpu_kernel import cpu_flags
 
 _DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an interrupted conversion
 
@@ -36,15 +37,8 @@ def resolve_dtype(option: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # bf16 halves the bytes a CPU decode step must read; only worth it with native bf16 dot products.
-    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    native_bf16 = cpu_flags() & {"avx512_bf16", "amx_bf16"}
+    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and native_bf16 else torch.float32
 
 
 def _report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:

@@ -1,0 +1,122 @@
+"""The AMX decode matmul: exact to bf16 rounding against a float32 reference, used by the engine for decode
+rows, and a clear fallback when it cannot be built or is switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import make_tiny
+from tuichat.engine import cpu_kernel
+from tuichat.engine.engine import Engine, EngineConfig
+from tuichat.engine.runner import StepChunk
+
+
+@pytest.fixture
+def fresh_load():
+    cpu_kernel.load.cache_clear()
+    yield cpu_kernel.load
+    cpu_kernel.load.cache_clear()
+
+
+@pytest.fixture
+def amx(fresh_load):
+    kernel, why = fresh_load()
+    if kernel is None:
+        pytest.skip(f"no AMX kernel here: {why}")
+    return kernel
+
+
+def _ulps_off(y: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps y is from the float32 result (bf16 has 8 significant bits)."""
+    step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
+    return ((y.float() - exact).abs() / step).round()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 16])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (96, 576), (320, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_is_exact_to_bf16_rounding(amx, rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    # x is a strided view (every other row of a wider tensor): the kernel must honour row strides.
+    wide = torch.randn(rows * 2, in_features + 32, generator=gen).bfloat16()
+    x = wide[::2, :in_features]
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    assert amx.fits(weight, bias)
+    y = amx(x, weight, bias)
+    exact = x.float() @ weight.float().T + (bias.float() if bias is not None else 0)
+    off = _ulps_off(y, exact)
+    assert y.shape == (rows, out_features) and y.dtype is torch.bfloat16
+    assert off.max() <= 1  # only the fp32 summation order differs
+    assert (off == 0).float().mean() >= 0.97
+    torch_off = _ulps_off(F.linear(x, weight, bias), exact)
+    assert off.sum() <= torch_off.sum() + 0.02 * off.numel()  # no worse than torch's own kernel
+
+
+def test_kernel_keeps_leading_dims(amx):
+    x = torch.randn(1, 5, 64).bfloat16()
+    weight = torch.randn(32, 64).bfloat16()
+    y = amx(x, weight, None)
+    assert y.shape == (1, 5, 32)
+    torch.testing.assert_close(y.float(), F.linear(x, weight).float(), rtol=1 / 64, atol=1e-2)
+
+
+def test_fits_only_what_the_kernel_handles():
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert cpu_kernel.AmxLinear.fits(w, None)
+    assert not cpu_kernel.AmxLinear.fits(w.float(), None)
+    assert not cpu_kernel.AmxLinear.fits(torch.zeros(32, 48, dtype=torch.bfloat16), None)  # K % 32
+    assert not cpu_kernel.AmxLinear.fits(torch.zeros(40, 64, dtype=torch.bfloat16), None)  # N % 16
+    assert not cpu_kernel.AmxLinear.fits(torch.zeros(64, 32, dtype=torch.bfloat16).T, None)  # not contiguous
+    assert not cpu_kernel.AmxLinear.fits(w, torch.zeros(32))  # float32 bias
+
+
+def test_decode_rows_go_through_the_kernel_and_match_transformers(amx, monkeypatch):
+    model, reference = make_tiny("llama")
+    model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    engine = Engine(model, config=EngineConfig(num_blocks=16))
+    assert engine.matmul == "amx"
+    calls = []
+    original = cpu_kernel.AmxLinear.__call__
+    monkeypatch.setattr(cpu_kernel.AmxLinear, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    prompts = [[5, 9, 23, 7, 81, 3], [17, 4, 4, 60]]
+    # Prefill both (more than 16 rows would take torch's path; these 10 rows take the kernel's).
+    tables = [[0], [1]]
+    chunks = [StepChunk(p, 0, t, True) for p, t in zip(prompts, tables)]
+    logits = engine.runner.execute(chunks)
+    assert calls, "the kernel was not used for a 10-row step"
+    with torch.inference_mode():
+        for row, prompt in zip(logits, prompts):
+            expected = reference(torch.tensor([prompt])).logits[0, -1].float()
+            torch.testing.assert_close(row, expected, rtol=0.05, atol=0.05)
+    # One decode row each, batched: two rows through the kernel.
+    calls.clear()
+    nexts = [int(row.argmax()) for row in logits]
+    logits = engine.runner.execute([StepChunk([n], len(p), t, True) for n, p, t in zip(nexts, prompts, tables)])
+    assert calls and all(shape[-2] == 2 for shape in calls if len(shape) > 1)
+    with torch.inference_mode():
+        for row, prompt, n in zip(logits, prompts, nexts):
+            expected = reference(torch.tensor([prompt + [n]])).logits[0, -1].float()
+            torch.testing.assert_close(row, expected, rtol=0.05, atol=0.05)
+    engine.close()
+
+
+def test_switched_off_by_environment(fresh_load, monkeypatch):
+    monkeypatch.setenv("TUICHAT_CPU_KERNELS", "0")
+    kernel, why = fresh_load()
+    assert kernel is None and "TUICHAT_CPU_KERNELS" in why
+    model, _ = make_tiny("llama")
+    engine = Engine(model.to(torch.bfloat16), config=EngineConfig(num_blocks=8))
+    assert engine.matmul.startswith("off")
+    engine.close()
+
+
+def test_failed_build_falls_back_to_torch_with_a_reason(fresh_load, monkeypatch, tmp_path):
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_kernel.cpu_flags():
+        pytest.skip("no AMX here: the build is never attempted")
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))  # no kernel built before
+    monkeypatch.setenv("CC", "false")
+    kernel, why = fresh_load()
+    assert kernel is None and "build failed" in why
