@@ -16,8 +16,10 @@ Scenarios (each can be picked with `--scenarios`):
 
 Peers, on the same prompt token ids, same dtype/device, greedy, EOS on, same caps: transformers `generate` one
 request at a time; a left-padded static batch through `generate`; transformers' own continuous batching
-(`generate_batch`); llama.cpp through llama-cpp-python when it is installed (never a dependency). Peers get all
-tab prompts at once (no stagger), which only helps them. The floor: weight bytes / measured memory bandwidth.
+(`generate_batch`); llama.cpp through llama-cpp-python when it is installed (never a dependency). In `tabs`, the
+batching peers get the tabs' arrival times too: the static batch starts when its last prompt has arrived,
+`generate_batch`'s manager gets each prompt when it arrives; `--stagger-ms 0` gives every system all prompts at
+once. The floor: weight bytes / measured memory bandwidth.
 
 Every tuichat number goes through `LocalBackend.stream` and is timed on the client side with
 time.perf_counter (what a front end sees): TTFT = submitted -> first non-empty text; ITL = gaps between text
@@ -562,8 +564,11 @@ class HFPeer:
         result.text = self.tokenizer.decode(row[: result.tokens], skip_special_tokens=True)
         return result
 
-    def static_batch(self, prompts: list[list[int]], max_tokens: int, warm: bool = True) -> tuple[list[RequestResult], float]:
-        """One left-padded batch through generate; it runs until the longest reply ends."""
+    def static_batch(self, prompts: list[list[int]], max_tokens: int, warm: bool = True,
+                     stagger_s: float = 0.0) -> tuple[list[RequestResult], float]:
+        """One left-padded batch through generate; it runs until the longest reply ends. Prompt i arrives at
+        i * stagger_s: a static batch can only start once its last member is there, and each request's
+        TTFT counts from its own arrival."""
         torch = self.torch
         if warm:
             self._warmup("static")
@@ -571,25 +576,29 @@ class HFPeer:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         clock, criteria = self._clock()
-        start = time.perf_counter()
+        first_arrival = time.perf_counter()
+        time.sleep(stagger_s * (len(prompts) - 1))
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=mask, generation_config=self._config(max_tokens),
                                       stopping_criteria=criteria)
         end = time.perf_counter()
         results = []
         for i, prompt in enumerate(prompts):
-            r = RequestResult(submitted=start, prompt_tokens=len(prompt), finished=end)
+            arrived = first_arrival + i * stagger_s
+            r = RequestResult(submitted=arrived, prompt_tokens=len(prompt), finished=end)
             r.tokens = self._count(out[i, width:].tolist())
             times = clock.times[: r.tokens]
             if times:
-                r.ttft_ms = (times[0] - start) * 1000
+                r.ttft_ms = (times[0] - arrived) * 1000
                 r.itl_ms = [(b - a) * 1000 for a, b in zip(times, times[1:])]
-                r.e2e_ms = (times[-1] - start) * 1000
+                r.e2e_ms = (times[-1] - arrived) * 1000
             results.append(r)
-        return results, end - start
+        return results, end - first_arrival
 
-    def generate_batch(self, prompts: list[list[int]], max_tokens: int, warm: bool = True) -> tuple[list[RequestResult], float]:
-        """transformers' own continuous batching (a manager thread, its own paged cache)."""
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int, warm: bool = True,
+                       stagger_s: float = 0.0) -> tuple[list[RequestResult], float]:
+        """transformers' own continuous batching: the manager behind `generate_batch` (a thread, its own paged
+        cache), with prompt i added at i * stagger_s, as tuichat gets them."""
         if warm:
             self._warmup("generate_batch")
         from transformers import ContinuousBatchingConfig
@@ -600,26 +609,39 @@ class HFPeer:
         cb.num_blocks = math.ceil(sum(len(p) + max_tokens for p in prompts) / cb.page_size) + len(prompts)
         cb.max_batch_tokens = self.max_batched_tokens
         attn = getattr(self.model.config, "_attn_implementation", None)
-        start = time.perf_counter()
+        done: dict[str, Any] = {}
+        arrivals: dict[str, float] = {}
         try:
-            outputs = self.model.generate_batch(prompts, generation_config=self._config(max_tokens),
-                                                continuous_batching_config=cb, record_timestamps=True,
-                                                progress_bar=False)
+            with self.model.continuous_batching_context_manager(
+                generation_config=self._config(max_tokens), continuous_batching_config=cb, block=True, timeout=5
+            ) as manager:
+                start = time.perf_counter()
+                for i, prompt in enumerate(prompts):
+                    time.sleep(max(0.0, start + i * stagger_s - time.perf_counter()))
+                    arrivals[f"tab{i}"] = time.perf_counter()
+                    manager.add_request(prompt, request_id=f"tab{i}", max_new_tokens=max_tokens, record_timestamps=True)
+                while len(done) < len(prompts):
+                    output = manager.get_result(timeout=1)
+                    if output is not None and output.is_finished():
+                        done[output.request_id] = output
+                    elif output is None and not manager.is_running():
+                        raise BackendError("transformers' continuous batching stopped before finishing the tabs.")
+                end = time.perf_counter()
         finally:
             if attn and getattr(self.model.config, "_attn_implementation", None) != attn:
                 self.model.set_attn_implementation(attn)  # it may switch to a paged kernel; later peers get theirs back
-        end = time.perf_counter()
         results = []
-        for output in outputs.values():
+        for request_id, arrived in arrivals.items():
+            output = done[request_id]
             if output.error:
                 raise BackendError(f"transformers generate_batch failed: {output.error}")
-            r = RequestResult(submitted=start, prompt_tokens=len(output.prompt_ids), finished=end)
+            r = RequestResult(submitted=arrived, prompt_tokens=len(output.prompt_ids), finished=end)
             r.tokens = len(output.generated_tokens)
             stamps = output.timestamps or []
             if stamps:
-                r.ttft_ms = (stamps[0] - output.created_time) * 1000
+                r.ttft_ms = (stamps[0] - arrived) * 1000
                 r.itl_ms = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
-                r.e2e_ms = (stamps[-1] - output.created_time) * 1000
+                r.e2e_ms = (stamps[-1] - arrived) * 1000
             results.append(r)
         return results, end - start
 
@@ -822,10 +844,11 @@ class _Run:
         s = self.settings
         conversations = [[Message("user", QUESTIONS[i % len(QUESTIONS)])] for i in range(s.tabs)]
         params = SamplingParams(max_tokens=s.tab_tokens)
+        stagger = s.stagger_ms / 1000
         modes: dict[str, Any] = {}
         for mode in MODES:
             with self.step(f"tabs · tuichat {mode}"), self.tuichat(batching=mode, prefix_cache=True) as tc:
-                results, wall = tc.run(run_tabs, conversations, params, s.stagger_ms / 1000, f"tabs-{mode}")
+                results, wall = tc.run(run_tabs, conversations, params, stagger, f"tabs-{mode}")
             modes[mode] = summarize(results, wall)
         prompts = [self.ids(m) for m in conversations]
         sequential = prompts[: max(1, s.sequential_peer_prompts)]
@@ -839,9 +862,9 @@ class _Run:
                     peers[name]["note"] = (f"one request at a time, over the first {len(sequential)} prompts (its "
                                            "tok/s does not depend on how many wait); TTFT from each request's start")
                 elif name == "hf_static_batch":
-                    peers[name] = summarize(*self.off_main(self.peer.static_batch, prompts, s.tab_tokens))
+                    peers[name] = summarize(*self.off_main(self.peer.static_batch, prompts, s.tab_tokens, stagger))
                 elif name == "hf_generate_batch":
-                    peers[name] = summarize(*self.off_main(self.peer.generate_batch, prompts, s.tab_tokens))
+                    peers[name] = summarize(*self.off_main(self.peer.generate_batch, prompts, s.tab_tokens, stagger))
                 elif name == "llama_cpp":
                     llama = self.llama_peer()
                     if llama is None:
@@ -1142,7 +1165,7 @@ def render(result: dict[str, Any]) -> str:
     if "tabs" in sc:
         s = sc["tabs"]
         lines.append(f"tabs · {s['tabs']} conversations, {s['stagger_ms']:.0f} ms apart, ≤{s['max_tokens']} tokens, EOS on "
-                     "(peers get all prompts at once)")
+                     "(the batching peers get the same arrivals)")
         rows = []
         entries = [(f"tuichat {m}", v) for m, v in s["modes"].items()] + list(s["peers"].items())
         for name, v in entries:

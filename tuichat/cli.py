@@ -200,7 +200,7 @@ def models() -> None:
               help="Comma-separated: single,tabs,multiturn,shared_prefix,interference.")
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
 @click.option("--stagger-ms", type=click.FloatRange(min=0), default=None,
-              help="Gap between tab arrivals [100]; 0 sends all at once, as the peers get them.")
+              help="Gap between tab arrivals [100], for tuichat and the batching peers alike; 0 sends all at once.")
 @click.option("--turns", type=click.IntRange(min=1), default=None, help="Turns per conversation [8; --quick: 4].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Cap on every reply (default: 64 single/tabs, 96 per turn; --quick: 32/24/48).")

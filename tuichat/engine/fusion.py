@@ -5,7 +5,7 @@ At decode time a CPU step is dominated by per-call matmul overhead rather than b
   for standard models, so we concatenate their weights into one matmul and let the original attribute
   names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
   the same tensor; the first call computes all of them, the others take their slice.
-- A decode step's few rows (up to 16: one per decoding tab) go through the AMX kernel of cpu_kernel.py when
+- A step's few rows (up to 64: one per decoding tab, plus short prefills) go through the AMX kernel of cpu_kernel.py when
   the model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: on
   this CPU torch's bf16 gemv reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2
   vs 8.4 ms, one thread).
