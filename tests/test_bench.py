@@ -244,3 +244,29 @@ def test_plot_writes_a_png_when_matplotlib_is_there(run, tmp_path):
     path = tmp_path / "bench.png"
     bench.plot(run[0], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batching_peers_get_the_tabs_arrivals(embedded, session_cache, monkeypatch):
+    """A static batch cannot start before its last prompt arrives; generate_batch gets each prompt on arrival.
+    TTFTs count from each request's own arrival."""
+    import torch
+
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    resolved, _, _, tokenizer = embedded
+    peer = bench.HFPeer(resolved, torch.device("cpu"), torch.float32)
+    prompts = [bench.chat_ids(tokenizer, [bench.Message("user", q)]) for q in bench.QUESTIONS[:3]]
+    stagger = 0.3
+    try:
+        results, wall = peer.static_batch(prompts, 2, stagger_s=stagger)
+        assert wall >= 2 * stagger
+        arrivals = [r.submitted for r in results]
+        assert all(b - a == pytest.approx(stagger, abs=0.02) for a, b in zip(arrivals, arrivals[1:]))
+        # All rows get their first token in the same step: the first arrival waited two staggers longer.
+        assert results[0].ttft_ms - results[2].ttft_ms == pytest.approx(2 * stagger * 1000, abs=20)
+        results, wall = peer.generate_batch(prompts, 2, stagger_s=stagger)
+        arrivals = sorted(r.submitted for r in results)
+        assert all(b - a >= stagger - 0.02 for a, b in zip(arrivals, arrivals[1:]))
+        first = min(results, key=lambda r: r.submitted)
+        assert wall >= 2 * stagger and first.ttft_ms < 2 * stagger * 1000  # it began before the last arrival
+    finally:
+        peer.close()

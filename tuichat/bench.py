@@ -40,6 +40,7 @@ worker thread, which would have flattered tuichat.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import importlib.util
 import json
@@ -862,9 +863,9 @@ class _Run:
                     peers[name]["note"] = (f"one request at a time, over the first {len(sequential)} prompts (its "
                                            "tok/s does not depend on how many wait); TTFT from each request's start")
                 elif name == "hf_static_batch":
-                    peers[name] = summarize(*self.off_main(self.peer.static_batch, prompts, s.tab_tokens, stagger))
+                    peers[name] = summarize(*self.off_main(functools.partial(self.peer.static_batch, stagger_s=stagger), prompts, s.tab_tokens))
                 elif name == "hf_generate_batch":
-                    peers[name] = summarize(*self.off_main(self.peer.generate_batch, prompts, s.tab_tokens, stagger))
+                    peers[name] = summarize(*self.off_main(functools.partial(self.peer.generate_batch, stagger_s=stagger), prompts, s.tab_tokens))
                 elif name == "llama_cpp":
                     llama = self.llama_peer()
                     if llama is None:
