@@ -27,7 +27,7 @@ chunks; TPOT = (e2e - TTFT) / (output tokens - 1); throughput = output tokens / 
 Output tokens include the EOS token for every system alike.
 
 Caps: 64 tokens per single/tab reply, 96 per turn, 8 tabs, 8 turns (the history passes 1000 tokens).
-`--quick` (<= 90 s on 2 cores): 2 single prompts, 24 tokens per tab reply, 4 turns of <= 48 tokens (the
+`--quick` (<= 90 s on 2 cores): 3 single prompts, 24 tokens per tab reply, 4 turns of <= 48 tokens (the
 history, which starts with a pasted text of ~550 tokens, reaches ~800 tokens instead of ~1300), and no
 transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn). One-at-a-time peers (`hf_generate`, llama.cpp) run the
 first 4 tab prompts only: their tok/s does not depend on how many requests wait.
@@ -203,7 +203,7 @@ class BenchSettings:
 
     @classmethod
     def make(cls, quick: bool = False, **overrides: Any) -> "BenchSettings":
-        base = dict(turns=4, single_tokens=32, tab_tokens=24, turn_tokens=48, single_prompts=2,
+        base = dict(turns=4, single_tokens=32, tab_tokens=24, turn_tokens=48, single_prompts=3,
                     multiturn_peer=False, bandwidth_mb=256) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(quick=quick, **base)
