@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from textual.widgets import Markdown
+from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend
 from tuichat.backend import EngineStats
@@ -403,9 +403,13 @@ async def test_engine_panel_shows_stats_and_warns_on_kv_use():
         assert "smollm2-135m" in text and "KV cache" in text
         assert f"last turn: {usage.cached_tokens} of {usage.prompt_tokens}" in text
         assert not panel.query_one("#engine-kv").has_class("-warning")
-        backend.stats = lambda model=None: EngineStats(model="m", kv_blocks_used=90, kv_blocks_total=100)
+        assert "matmul" not in text  # the fake backend names no kernel
+        backend.stats = lambda model=None: EngineStats(
+            model="m", kv_blocks_used=90, kv_blocks_total=100, matmul="torch (no AMX on this CPU)"
+        )
         await pilot.pause(0.7)
         assert panel.query_one("#engine-kv").has_class("-warning")
+        assert "continuous batching · torch matmul" in str(panel.query_one("#engine-model", Static).render())
         await pilot.press("ctrl+b")
         assert not panel.display
 

@@ -101,6 +101,7 @@ class EngineStats:
     tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     batching: str = "continuous"
     prefix_cache: bool = True
+    matmul: str = ""  # decode-step kernels: "amx", or "torch (why not)"
 
     @property
     def kv_usage(self) -> float:

@@ -52,6 +52,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from tuichat import catalog
@@ -1020,6 +1021,23 @@ class _Run:
         self.worker.shutdown()
 
 
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((l.partition(":")[2].strip() for l in text.splitlines() if l.startswith("model name")), "")
+
+
+def _decode_matmul(device, dtype) -> str:
+    """Which kernels tuichat's decode steps use here (the AMX kernel only serves bf16 on a CPU)."""
+    import torch
+
+    from tuichat.engine import cpu_kernel
+
+    return cpu_kernel.load()[1] if device.type == "cpu" and dtype is torch.bfloat16 else "torch"
+
+
 def _versions() -> dict[str, str]:
     import torch
     import transformers
@@ -1060,8 +1078,10 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
                 "turn_tokens": settings.turn_tokens, "probe_tokens": settings.probe_tokens,
                 "stagger_ms": settings.stagger_ms, "kv_cache_mb": settings.engine_options().kv_cache_mb,
             },
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "gpu": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None},
+            "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads(),
+                        "gpu": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None,
+                        "decode_matmul": _decode_matmul(run.device, run.dtype)},
             "versions": _versions(),
         }
         result["floor"] = run.floor()
@@ -1140,7 +1160,8 @@ def render(result: dict[str, Any]) -> str:
     floor = result.get("floor", {})
     lines = [
         f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · "
-        f"torch {result['versions']['torch']} · {result['machine']['torch_threads']} threads"
+        f"torch {result['versions']['torch']} · {result['machine']['torch_threads']} threads · "
+        f"matmul {result['machine'].get('decode_matmul', '?')}"
         f"{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",
         f"floor: {floor.get('weight_bytes', 0) / 1e6:,.0f} MB of weights / {_fmt(floor.get('bandwidth_gb_s'))} GB/s "
         f"= {_fmt(floor.get('decode_step_ms'), 2)} ms per decode step ({_fmt(floor.get('decode_tokens_per_s'), 0)} tok/s, batch 1)",

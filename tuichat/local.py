@@ -203,6 +203,7 @@ class LocalBackend:
             tokens_per_s=engine.tokens_per_s(),
             batching=self.options.batching,
             prefix_cache=self.options.prefix_cache,
+            matmul=engine.matmul,
         )
 
     async def close(self) -> None:
