@@ -409,7 +409,7 @@ async def test_engine_panel_shows_stats_and_warns_on_kv_use():
         )
         await pilot.pause(0.7)
         assert panel.query_one("#engine-kv").has_class("-warning")
-        assert "continuous batching · torch matmul" in str(panel.query_one("#engine-model", Static).render())
+        assert "continuous batching\ntorch matmul" in str(panel.query_one("#engine-model", Static).render())
         await pilot.press("ctrl+b")
         assert not panel.display
 

@@ -288,7 +288,7 @@ class EnginePanel(Vertical):
                 (stats.model or "no model", "bold"),
                 f"\n{stats.device or '?'} · {stats.dtype or '?'} · tp {stats.tp}",
                 f"\n{stats.batching} batching",
-                f" · {stats.matmul.partition(' (')[0]} matmul" if stats.matmul else "",
+                f"\n{stats.matmul.partition(' (')[0]} matmul" if stats.matmul else "",
             )
         )
         self.query_one("#engine-sched", Static).update(
