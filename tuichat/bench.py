@@ -275,6 +275,13 @@ class RequestResult:
     text: str = ""
     finished: float = 0.0
 
+    def set_token_times(self, times: Sequence[float]) -> None:
+        """TTFT, ITL and end-to-end from a peer's per-token timestamps (perf_counter seconds)."""
+        if times:
+            self.ttft_ms = (times[0] - self.submitted) * 1000
+            self.itl_ms = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+            self.e2e_ms = (times[-1] - self.submitted) * 1000
+
     @property
     def tpot_ms(self) -> float | None:
         if self.ttft_ms is None or self.e2e_ms is None or self.tokens < 2:
@@ -558,11 +565,7 @@ class HFPeer:
         result.finished = time.perf_counter()
         row = out[0, len(prompt):].tolist()
         result.tokens = self._count(row)
-        times = clock.times[: result.tokens]
-        if times:
-            result.ttft_ms = (times[0] - result.submitted) * 1000
-            result.itl_ms = [(b - a) * 1000 for a, b in zip(times, times[1:])]
-            result.e2e_ms = (times[-1] - result.submitted) * 1000
+        result.set_token_times(clock.times[: result.tokens])
         result.text = self.tokenizer.decode(row[: result.tokens], skip_special_tokens=True)
         return result
 
@@ -589,11 +592,7 @@ class HFPeer:
             arrived = first_arrival + i * stagger_s
             r = RequestResult(submitted=arrived, prompt_tokens=len(prompt), finished=end)
             r.tokens = self._count(out[i, width:].tolist())
-            times = clock.times[: r.tokens]
-            if times:
-                r.ttft_ms = (times[0] - arrived) * 1000
-                r.itl_ms = [(b - a) * 1000 for a, b in zip(times, times[1:])]
-                r.e2e_ms = (times[-1] - arrived) * 1000
+            r.set_token_times(clock.times[: r.tokens])
             results.append(r)
         return results, end - first_arrival
 
@@ -639,11 +638,7 @@ class HFPeer:
                 raise BackendError(f"transformers generate_batch failed: {output.error}")
             r = RequestResult(submitted=arrived, prompt_tokens=len(output.prompt_ids), finished=end)
             r.tokens = len(output.generated_tokens)
-            stamps = output.timestamps or []
-            if stamps:
-                r.ttft_ms = (stamps[0] - arrived) * 1000
-                r.itl_ms = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
-                r.e2e_ms = (stamps[-1] - arrived) * 1000
+            r.set_token_times(output.timestamps or [])
             results.append(r)
         return results, end - start
 
