@@ -63,6 +63,7 @@ def test_concurrent_conversations_share_engine_steps(tiny_chat_model):
     assert max(sizes) == 3  # all three conversations were in one forward at least once
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.kv_blocks_total > 0
     assert stats.matmul == "torch"  # the AMX kernel serves bf16 only; this model runs in float32
+    assert stats.layers == "transformers"
 
 
 def test_cancel_stops_the_reply_and_frees_its_blocks(tiny_chat_model):

@@ -36,7 +36,7 @@ def _ulps_off(y: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor) -> 
     return ((y.float() - exact).abs() / (step + summation)).round()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40, 64, 65, 130, 512])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (96, 576), (320, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_is_exact_to_bf16_rounding(amx, rows, out_features, in_features, with_bias):
@@ -66,6 +66,17 @@ def test_kernel_keeps_leading_dims(amx):
     torch.testing.assert_close(y.float(), F.linear(x, weight).float(), rtol=1 / 64, atol=1e-2)
 
 
+def test_a_row_does_not_depend_on_its_batch(amx):
+    """Bit for bit: what keeps the C decoder's replies independent of batching (test_native.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 576).bfloat16()
+    w = torch.randn(96, 576).mul(0.05).bfloat16()
+    whole = amx(x, w, None)
+    for rows in (1, 17, 64, 65, 299):
+        assert torch.equal(amx(x[:rows], w, None), whole[:rows])
+    assert torch.equal(amx(x[200:201], w, None), whole[200:201])
+
+
 def test_fits_only_what_the_kernel_handles():
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
     assert cpu_kernel.AmxLinear.fits(w, None)
@@ -76,16 +87,16 @@ def test_fits_only_what_the_kernel_handles():
     assert not cpu_kernel.AmxLinear.fits(w, torch.zeros(32))  # float32 bias
 
 
-def test_decode_rows_go_through_the_kernel_and_match_transformers(amx, monkeypatch):
+def test_transformers_layers_use_the_kernel_and_match_transformers(amx, monkeypatch):
     model, reference = make_tiny("llama")
     model, reference = model.to(torch.bfloat16), reference.to(torch.bfloat16)
     engine = Engine(model, config=EngineConfig(num_blocks=16))
     assert engine.matmul == "amx"
+    engine.runner.native = None  # as for models decoder.c does not cover: transformers' layers, our matmul
     calls = []
     original = cpu_kernel.AmxLinear.__call__
     monkeypatch.setattr(cpu_kernel.AmxLinear, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
     prompts = [[5, 9, 23, 7, 81, 3], [17, 4, 4, 60]]
-    # Prefill both (more than 64 rows would take torch's path; these 10 rows take the kernel's).
     tables = [[0], [1]]
     chunks = [StepChunk(p, 0, t, True) for p, t in zip(prompts, tables)]
     logits = engine.runner.execute(chunks)

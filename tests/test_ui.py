@@ -409,7 +409,10 @@ async def test_engine_panel_shows_stats_and_warns_on_kv_use():
         )
         await pilot.pause(0.7)
         assert panel.query_one("#engine-kv").has_class("-warning")
-        assert "continuous batching\ntorch matmul" in str(panel.query_one("#engine-model", Static).render())
+        assert str(panel.query_one("#engine-model", Static).render()).endswith("continuous batching\ntorch matmul")
+        backend.stats = lambda model=None: EngineStats(model="m", matmul="amx", layers="C")
+        await pilot.pause(0.7)
+        assert str(panel.query_one("#engine-model", Static).render()).endswith("\namx matmul · C layers")
         await pilot.press("ctrl+b")
         assert not panel.display
 

@@ -102,6 +102,7 @@ class EngineStats:
     batching: str = "continuous"
     prefix_cache: bool = True
     matmul: str = ""  # decode-step kernels: "amx", or "torch (why not)"
+    layers: str = ""  # who runs the decoder layers of short steps: "C" (decoder.c), or "transformers (why)"
 
     @property
     def kv_usage(self) -> float:

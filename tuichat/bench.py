@@ -428,9 +428,12 @@ class _Tuichat:
 
         self.backend = LocalBackend(settings.engine_options(**changes), settings.model)
         self.model = settings.model
+        self.kernels: dict[str, str] = {}
 
     def __enter__(self) -> "_Tuichat":
         self.name = self.backend.load_sync(self.model)
+        stats = self.backend.stats(self.name)
+        self.kernels = {"decode_matmul": stats.matmul, "decode_layers": stats.layers}
         asyncio.run(stream_once(self.backend, "warmup", [Message("user", WARMUP_QUESTION)], SamplingParams(max_tokens=4)))
         return self
 
@@ -740,6 +743,7 @@ class _Run:
         self.llama: LlamaCppPeer | None = None
         self.llama_skip: str | None = None
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tuichat-bench-peer")
+        self.latest: _Tuichat | None = None
 
     # helpers
     def off_main(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -752,7 +756,8 @@ class _Run:
         return self.progress.step(label)
 
     def tuichat(self, **changes: Any) -> _Tuichat:
-        return _Tuichat(self.settings, **changes)
+        self.latest = _Tuichat(self.settings, **changes)  # its kernels go into the report's machine facts
+        return self.latest
 
     def wants(self, peer: str) -> bool:
         return peer in self.settings.peers
@@ -1024,15 +1029,6 @@ def _cpu_model() -> str:
     return next((l.partition(":")[2].strip() for l in text.splitlines() if l.startswith("model name")), "")
 
 
-def _decode_matmul(device, dtype) -> str:
-    """Which kernels tuichat's decode steps use here (the AMX kernel only serves bf16 on a CPU)."""
-    import torch
-
-    from tuichat.engine import cpu_kernel
-
-    return cpu_kernel.load()[1] if device.type == "cpu" and dtype is torch.bfloat16 else "torch"
-
-
 def _versions() -> dict[str, str]:
     import torch
     import transformers
@@ -1075,8 +1071,7 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
             },
             "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
                         "torch_threads": torch.get_num_threads(),
-                        "gpu": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None,
-                        "decode_matmul": _decode_matmul(run.device, run.dtype)},
+                        "gpu": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None},
             "versions": _versions(),
         }
         result["floor"] = run.floor()
@@ -1086,6 +1081,8 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
                 t0 = time.perf_counter()
                 result["scenarios"][name] = getattr(run, name)()
                 result["scenarios"][name]["scenario_wall_s"] = time.perf_counter() - t0
+                if run.latest is not None:
+                    result["machine"].update(run.latest.kernels)
     finally:
         run.close()
         progress.close()
@@ -1156,7 +1153,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · "
         f"torch {result['versions']['torch']} · {result['machine']['torch_threads']} threads · "
-        f"matmul {result['machine'].get('decode_matmul', '?')}"
+        f"matmul {result['machine'].get('decode_matmul', '?')} · layers {result['machine'].get('decode_layers', '?')}"
         f"{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",
         f"floor: {floor.get('weight_bytes', 0) / 1e6:,.0f} MB of weights / {_fmt(floor.get('bandwidth_gb_s'))} GB/s "
         f"= {_fmt(floor.get('decode_step_ms'), 2)} ms per decode step ({_fmt(floor.get('decode_tokens_per_s'), 0)} tok/s, batch 1)",

@@ -204,6 +204,7 @@ class LocalBackend:
             batching=self.options.batching,
             prefix_cache=self.options.prefix_cache,
             matmul=engine.matmul,
+            layers=engine.layers,
         )
 
     async def close(self) -> None:

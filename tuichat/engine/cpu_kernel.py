@@ -1,5 +1,5 @@
-"""The AMX matmul for decode steps and short prefills (amx_linear.c): compiled on first use into the user
-cache dir, loaded with ctypes.
+"""The AMX matmul for decode steps and short prefills (amx_linear.c), and the decoder layers built on it
+(decoder.c, driven by native.py): compiled on first use into the user cache dir, loaded with ctypes.
 
 Why a kernel of our own: a decode step is bound by reading the weights once, and for a few rows torch's CPU
 kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where this one,
@@ -24,9 +24,10 @@ import torch
 
 from tuichat.paths import cache_dir
 
-MAX_ROWS = 64  # four accumulator tiles of 16 rows; longer prefills are compute-bound, oneDNN's domain
-_SOURCE = Path(__file__).with_name("amx_linear.c")
-_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
+_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "decoder.c")]
+_HEADERS = [Path(__file__).with_name("amx_common.h")]
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-mamx-tile", "-mamx-bf16"]
 
 
@@ -41,7 +42,7 @@ def cpu_flags() -> set[str]:
 
 class AmxLinear:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._library = library  # keeps the .so mapped
+        self.library = library  # keeps the .so mapped; native.py finds decoder_forward in it
         self._fn = library.amx_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int]
@@ -81,13 +82,13 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), version, *_FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / key / "amx_linear.so"
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, *_FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / key / "cpu_kernels.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: two processes may build at once
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
             os.replace(built, target)

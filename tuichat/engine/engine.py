@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from tuichat.backend import BackendError, SamplingParams
-from tuichat.engine import attention, cpu_kernel
+from tuichat.engine import attention, cpu_kernel, native
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache
@@ -94,12 +94,21 @@ class Engine:
             )
         else:
             self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
-        self.matmul = "torch"  # which kernels decode steps use, for the stats panel and the bench
+        # Which kernels short steps use, for the stats panel and the bench.
+        self.matmul = "torch"
+        self.layers = "transformers"
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
             kernel = None
             if self.device.type == "cpu" and self.dtype is torch.bfloat16:
                 kernel, self.matmul = cpu_kernel.load()
             speed_up_linears(model, kernel)
+            if kernel is not None and config.tp == 1:
+                why_not = native.unsupported_reason(model, kernel)
+                if why_not is None:
+                    self.runner.native = native.NativeDecoder(model, self.kv, config.block_size, kernel)
+                    self.layers = "C"
+                else:
+                    self.layers = f"transformers ({why_not})"
         model.set_attn_implementation(attention.register())
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}

@@ -38,6 +38,7 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
+        self.native = None  # a native.NativeDecoder, which then runs the steps it accepts
 
     def _slots(self, block_table: list[int], start: int, stop: int) -> list[int]:
         bs = self.block_size
@@ -87,6 +88,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[StepChunk]) -> torch.Tensor | None:
         """One forward. Returns float32 logits [N, vocab] for the sampling chunks, in order, or None."""
+        if self.native is not None and self.native.accepts(sum(len(c.token_ids) for c in chunks)):
+            return self.native.execute(chunks)
         input_ids, positions, ctx, sample_rows = self.build_context(chunks)
         set_context(ctx)
         try:

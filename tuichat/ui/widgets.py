@@ -289,6 +289,7 @@ class EnginePanel(Vertical):
                 f"\n{stats.device or '?'} · {stats.dtype or '?'} · tp {stats.tp}",
                 f"\n{stats.batching} batching",
                 f"\n{stats.matmul.partition(' (')[0]} matmul" if stats.matmul else "",
+                " · C layers" if stats.layers == "C" else "",
             )
         )
         self.query_one("#engine-sched", Static).update(

@@ -1,0 +1,166 @@
+"""decoder.c through native.py: the C decoder layers for bf16 steps on AMX CPUs. They must be as close to the
+float32 model as transformers' own bf16 code is, and a reply must not depend on how its tokens were batched,
+chunked or cached."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tuichat.backend import SamplingParams
+from tuichat.engine import cpu_kernel, native
+from tuichat.engine.engine import Engine, EngineConfig
+from tuichat.engine.request import Status
+from tuichat.engine.runner import StepChunk
+
+# head_dim 32 (decoder.c needs a multiple of 32); weights larger than the default init, so that attention is
+# sharp and a wrong position, mask or head shows in the logits.
+SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.08,
+             eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def amx():
+    kernel, why = cpu_kernel.load()
+    if kernel is None:
+        pytest.skip(f"no AMX kernel here: {why}")
+    return kernel
+
+
+def make(arch: str):
+    """(bf16 model for an engine, float32 reference with the same weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(**SHAPE)
+    torch.manual_seed(1)
+    reference = model_cls(copy.deepcopy(config)).eval()
+    if arch == "qwen2":  # its q/k/v biases start at zero; give them values so the bias path is exercised
+        with torch.no_grad():
+            for layer in reference.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model = model_cls(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return model.to(torch.bfloat16), reference
+
+
+PROMPTS = [list(range(3, 40)), [200, 7, 7, 31, 90, 4, 18], list(range(100, 121))]
+TABLES = [[0, 1, 2, 3], [10, 11], [20, 21, 22]]
+
+
+def step_plans():
+    """Teacher-forced steps that cover the cases: two prompts whole and one split in two chunks (the second
+    starts after cached positions), then a step mixing decodes with the rest of that prompt, then decodes."""
+    a, b, c = PROMPTS
+    yield [StepChunk(a, 0, TABLES[0], True), StepChunk(b, 0, TABLES[1], True), StepChunk(c[:9], 0, TABLES[2], False)]
+    yield [StepChunk([a[-1] + 1], len(a), TABLES[0], True), StepChunk([b[-1] + 1], len(b), TABLES[1], True),
+           StepChunk(c[9:], 9, TABLES[2], True)]
+    for i in range(3):
+        yield [StepChunk([p[-1] + 2 + i], len(p) + 1 + i, t, True) for p, t in zip(PROMPTS, TABLES)]
+
+
+def full_sequences() -> list[list[int]]:
+    return [p + [p[-1] + 1] + [p[-1] + 2 + i for i in range(3)] for p in PROMPTS]
+
+
+def run_plans(engine: Engine) -> list[torch.Tensor]:
+    """Logits of every sampled row, in order."""
+    return [engine.runner.execute(plan) for plan in step_plans()]
+
+
+def reference_logits(reference) -> list[torch.Tensor]:
+    """The float32 model over each full sequence, cut into the same sampled rows."""
+    with torch.inference_mode():
+        per_seq = [reference(torch.tensor([s])).logits[0] for s in full_sequences()]
+    a, b, c = PROMPTS
+    rows = [[per_seq[0][len(a) - 1], per_seq[1][len(b) - 1]], [per_seq[0][len(a)], per_seq[1][len(b)], per_seq[2][len(c) - 1]]]
+    for i in range(3):
+        rows.append([per_seq[k][len(p) + 1 + i] for k, p in enumerate(PROMPTS)])
+    return [torch.stack(r) for r in rows]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_as_close_to_float32_as_transformers_bf16(amx, arch):
+    model, reference = make(arch)
+    engine = Engine(model, config=EngineConfig(num_blocks=32))
+    assert engine.layers == "C" and engine.runner.native is not None
+    c_logits = run_plans(engine)
+    engine.runner.native = None  # the same engine through transformers' modules
+    for cache in engine.kv.k + engine.kv.v:
+        cache.zero_()
+    hf_logits = run_plans(engine)
+    expected = reference_logits(reference)
+    c_error = torch.cat([(got - want).abs() for got, want in zip(c_logits, expected)]).mean()
+    hf_error = torch.cat([(got - want).abs() for got, want in zip(hf_logits, expected)]).mean()
+    spread = torch.cat(expected).std()
+    assert hf_error < 0.1 * spread  # the comparison means something: bf16 noise is small against the logits
+    assert c_error <= 1.5 * hf_error, (c_error, hf_error)
+    engine.close()
+
+
+def greedy(engine: Engine, prompts: list[list[int]], tokens: int = 12) -> list[list[int]]:
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
+    return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def test_replies_do_not_depend_on_batching_chunking_or_caching(amx):
+    """Exact token equality in bf16: every row takes the same arithmetic whatever else is in its step."""
+    model, _ = make("llama")
+    prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2]]
+    alone = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False))
+    expected = [greedy(alone, [p])[0] for p in prompts]
+    alone.close()
+
+    model, _ = make("llama")
+    # 10-token budget: prompts are cut into chunks and share steps with the others' decodes.
+    busy = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=10))
+    seqs = [busy.submit(prompts[0], SamplingParams(max_tokens=12, temperature=0.0))]
+    busy.step()
+    seqs += [busy.submit(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts[1:]]
+    batch_sizes = []
+    while any(s.status is not Status.FINISHED for s in seqs):
+        busy.step()
+        batch_sizes.append(busy.last_batch_size)
+    assert max(batch_sizes) == 3
+    assert [s.token_ids[len(p):] for s, p in zip(seqs, prompts)] == expected
+    # The third prompt is a prefix of the first: served from the cache now, the reply is still the same.
+    cached = busy.submit(prompts[2], SamplingParams(max_tokens=12, temperature=0.0))
+    while cached.status is not Status.FINISHED:
+        busy.step()
+    assert cached.num_cached_tokens > 0
+    assert cached.token_ids[len(prompts[2]):] == expected[2]
+    busy.close()
+
+
+def test_steps_beyond_512_rows_take_transformers_path(amx, monkeypatch):
+    model, reference = make("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=1024))
+    used = []
+    original = native.NativeDecoder.execute
+    monkeypatch.setattr(native.NativeDecoder, "execute", lambda self, chunks: used.append(len(chunks)) or original(self, chunks))
+    prompt = [(7 * i) % 300 + 5 for i in range(600)]
+    logits = engine.runner.execute([StepChunk(prompt, 0, list(range(38)), True)])
+    assert used == []
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0] - expected).abs().mean() < 0.05 * expected.std()
+    engine.runner.execute([StepChunk([9], 600, list(range(38)), True)])  # the next decode reads that K/V
+    assert used == [1]
+    engine.close()
+
+
+def test_unsupported_models_keep_transformers_layers(amx):
+    model, _ = make("llama")
+    engine = Engine(model.float(), config=EngineConfig(num_blocks=8))  # float32: no AMX kernel, no C layers
+    assert engine.runner.native is None and engine.layers == "transformers"
+    engine.close()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    narrow = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 64})).eval().to(torch.bfloat16)  # head_dim 16
+    engine = Engine(narrow, config=EngineConfig(num_blocks=8))
+    assert engine.runner.native is None and "head shape" in engine.layers
+    engine.close()
