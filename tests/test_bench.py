@@ -188,6 +188,7 @@ def test_settings_and_lists_are_validated():
         bench.parse_list("single,bogus", bench.SCENARIOS, "scenario")
     quick, full = bench.BenchSettings.make(True), bench.BenchSettings.make(False)
     assert quick.turns < full.turns == 8 and quick.tabs == full.tabs == 8
+    assert quick.tab_tokens == full.tab_tokens  # short replies would make tabs measure the arrival schedule
     assert bench.BenchSettings.make(True, turns=3).turns == 3
     assert full.engine_options().kv_cache_mb == full.default_kv_cache_mb
 
