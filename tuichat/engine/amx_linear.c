@@ -54,7 +54,7 @@ int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
         cfg.rows[6] = 16; cfg.colsb[6] = last * 4;     /* B, last chunk */
         _tile_loadconfig(&cfg);
         float out[16 * CHUNK * GROUP];
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int b = 0; b < blocks; b++) {
             int n0 = b * 16;
             const uint16_t *wb = w + (long)n0 * K, *next = wb + 16L * K;
