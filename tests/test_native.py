@@ -164,3 +164,14 @@ def test_unsupported_models_keep_transformers_layers(amx):
     engine = Engine(narrow, config=EngineConfig(num_blocks=8))
     assert engine.runner.native is None and "head shape" in engine.layers
     engine.close()
+
+
+def test_a_plan_outside_the_cache_is_an_error_not_a_crash(amx):
+    model, _ = make("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=8))
+    with pytest.raises(RuntimeError, match=r"\(-3\)"):
+        engine.runner.execute([StepChunk([1, 2, 3], 0, [8], True)])  # block 8 of a pool of 0..7
+    with pytest.raises(RuntimeError, match=r"\(-3\)"):
+        engine.runner.execute([StepChunk([1], 40, [0, 1], True)])  # position 40 needs a third block
+    assert engine.runner.execute([StepChunk([1, 2, 3], 0, [7], True)]).shape[0] == 1
+    engine.close()

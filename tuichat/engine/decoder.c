@@ -220,14 +220,20 @@ static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width
 enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, PER_LAYER };
 
 /* hidden [rows, width] (the embeddings in, the last layer's output out); cos/sin [rows, dim];
- * layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0). 0 on success. */
+ * layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds num_blocks
+ * blocks. 0 on success, -3 for a block table or position outside the cache. */
 int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, const int32_t *pos,
-                    const int32_t *table_off, const int32_t *tables, int rows, const uint64_t *layers,
-                    int num_layers, int width, int heads, int kv_heads, int dim, int inter, int block_size,
-                    float eps, float scale, int threads) {
+                    const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
+                    const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
+                    int block_size, float eps, float scale, int threads) {
     int group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * dim;
     if (rows < 1 || rows > 512 || width % 32 || dim % 32 || dim > 128 || heads % kv_heads || group > 8 || inter % 32 || block_size % 16)
         return -1;
+    /* Every address below comes from these: a bad plan must be an error, not a write into foreign memory. */
+    for (int i = 0; i < tables_len; i++)
+        if (tables[i] < 0 || tables[i] >= num_blocks) return -3;
+    for (int t = 0; t < rows; t++)
+        if (pos[t] < 0 || table_off[t] < 0 || (long)table_off[t] + pos[t] / block_size >= tables_len) return -3;
     int longest = 0;
     for (int t = 0; t < rows; t++) longest = pos[t] + 1 > longest ? pos[t] + 1 : longest;
     uint16_t *normed = malloc(sizeof(uint16_t) * rows * width), *tmp = malloc(sizeof(uint16_t) * rows * width);

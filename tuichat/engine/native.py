@@ -67,8 +67,9 @@ class NativeDecoder:
         self.scale = layers[0].self_attn.scaling
         self._fn = kernel.library.decoder_forward
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 7 + [
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
             ctypes.c_float, ctypes.c_float, ctypes.c_int]
+        self.num_blocks = kv.k[0].shape[0] // block_size
 
         def address(tensor: torch.Tensor | None) -> int:
             return 0 if tensor is None else tensor.data_ptr()
@@ -116,7 +117,7 @@ class NativeDecoder:
         tables_t = torch.tensor(tables, dtype=torch.int32)
         status = self._fn(
             hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), position_ids.data_ptr(), table_offsets_t.data_ptr(),
-            tables_t.data_ptr(), len(tokens), self._layers.data_ptr(), len(model.layers), self.width, self.heads,
+            tables_t.data_ptr(), len(tables), self.num_blocks, len(tokens), self._layers.data_ptr(), len(model.layers), self.width, self.heads,
             self.kv_heads, self.head_dim, self.inter, self.block_size, self.eps, self.scale, torch.get_num_threads(),
         )
         if status != 0:
