@@ -33,18 +33,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
     kernel, why = cpu_kernel.load()
-    print(f"AMX kernel: {why}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"tuichat kernel: {why}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.02).bfloat16() for _ in range(args.layers) for n, k in LAYER_SHAPES]
     weights.append(torch.randn(VOCAB, HIDDEN).mul_(0.02).bfloat16())
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
     candidates = {"torch": F.linear}
     if kernel is not None:
-        candidates["amx"] = lambda x, w: kernel(x, w, None)
+        candidates[kernel.isa] = lambda x, w: kernel(x, w, None)
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
         for name, linear in candidates.items():
-            if name == "amx" and rows > cpu_kernel.MAX_ROWS:
+            if name != "torch" and rows > cpu_kernel.MAX_ROWS:
                 continue
             one_pass(weights, inputs, linear)  # warm-up
             start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""The AMX decode matmul: exact to bf16 rounding against a float32 reference, used by the engine for decode
-rows, and a clear fallback when it cannot be built or is switched off."""
+"""tuichat's bf16 linear, in the build for this CPU (AMX here) and in an AVX2 build: exact to bf16 rounding
+against a float32 reference, a row's result independent of its batch, used by the engine, and a clear
+fallback when it cannot be built or is switched off."""
 
 from __future__ import annotations
 
@@ -20,11 +21,23 @@ def fresh_load():
     cpu_kernel.load.cache_clear()
 
 
+@pytest.fixture(params=["native", "haswell"])
+def kernels(request, fresh_load, monkeypatch):
+    """This CPU's build and the AVX2 one (what most laptops get), both run here."""
+    if request.param != "native" and not {"avx2", "fma"} <= cpu_kernel.cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setenv("TUICHAT_CPU_ARCH", request.param)
+    kernel, why = fresh_load()
+    if kernel is None:
+        pytest.skip(f"no kernels here: {why}")
+    return kernel
+
+
 @pytest.fixture
 def amx(fresh_load):
     kernel, why = fresh_load()
-    if kernel is None:
-        pytest.skip(f"no AMX kernel here: {why}")
+    if kernel is None or kernel.isa != "amx":
+        pytest.skip(f"no AMX here: {why}")
     return kernel
 
 
@@ -39,15 +52,15 @@ def _ulps_off(y: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor) -> 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40, 64, 65, 130, 512])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 64), (96, 576), (320, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_is_exact_to_bf16_rounding(amx, rows, out_features, in_features, with_bias):
+def test_kernel_is_exact_to_bf16_rounding(kernels, rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     # x is a strided view (every other row of a wider tensor): the kernel must honour row strides.
     wide = torch.randn(rows * 2, in_features + 32, generator=gen).bfloat16()
     x = wide[::2, :in_features]
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    assert amx.fits(weight, bias)
-    y = amx(x, weight, bias)
+    assert kernels.fits(weight, bias)
+    y = kernels(x, weight, bias)
     exact = x.float() @ weight.float().T + (bias.float() if bias is not None else 0)
     magnitude = in_features * (x.float().abs() @ weight.float().abs().T + (bias.float().abs() if bias is not None else 0))
     off = _ulps_off(y, exact, magnitude)
@@ -58,33 +71,33 @@ def test_kernel_is_exact_to_bf16_rounding(amx, rows, out_features, in_features, 
     assert off.sum() <= torch_off.sum() + 0.02 * off.numel()  # no worse than torch's own kernel
 
 
-def test_kernel_keeps_leading_dims(amx):
+def test_kernel_keeps_leading_dims(kernels):
     x = torch.randn(1, 5, 64).bfloat16()
     weight = torch.randn(32, 64).bfloat16()
-    y = amx(x, weight, None)
+    y = kernels(x, weight, None)
     assert y.shape == (1, 5, 32)
     torch.testing.assert_close(y.float(), F.linear(x, weight).float(), rtol=1 / 64, atol=1e-2)
 
 
-def test_a_row_does_not_depend_on_its_batch(amx):
+def test_a_row_does_not_depend_on_its_batch(kernels):
     """Bit for bit: what keeps the C decoder's replies independent of batching (test_native.py)."""
     torch.manual_seed(0)
     x = torch.randn(300, 576).bfloat16()
     w = torch.randn(96, 576).mul(0.05).bfloat16()
-    whole = amx(x, w, None)
+    whole = kernels(x, w, None)
     for rows in (1, 17, 64, 65, 299):
-        assert torch.equal(amx(x[:rows], w, None), whole[:rows])
-    assert torch.equal(amx(x[200:201], w, None), whole[200:201])
+        assert torch.equal(kernels(x[:rows], w, None), whole[:rows])
+    assert torch.equal(kernels(x[200:201], w, None), whole[200:201])
 
 
 def test_fits_only_what_the_kernel_handles():
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert cpu_kernel.AmxLinear.fits(w, None)
-    assert not cpu_kernel.AmxLinear.fits(w.float(), None)
-    assert not cpu_kernel.AmxLinear.fits(torch.zeros(32, 48, dtype=torch.bfloat16), None)  # K % 32
-    assert not cpu_kernel.AmxLinear.fits(torch.zeros(40, 64, dtype=torch.bfloat16), None)  # N % 16
-    assert not cpu_kernel.AmxLinear.fits(torch.zeros(64, 32, dtype=torch.bfloat16).T, None)  # not contiguous
-    assert not cpu_kernel.AmxLinear.fits(w, torch.zeros(32))  # float32 bias
+    assert cpu_kernel.CpuKernels.fits(w, None)
+    assert not cpu_kernel.CpuKernels.fits(w.float(), None)
+    assert not cpu_kernel.CpuKernels.fits(torch.zeros(32, 48, dtype=torch.bfloat16), None)  # K % 32
+    assert not cpu_kernel.CpuKernels.fits(torch.zeros(40, 64, dtype=torch.bfloat16), None)  # N % 16
+    assert not cpu_kernel.CpuKernels.fits(torch.zeros(64, 32, dtype=torch.bfloat16).T, None)  # not contiguous
+    assert not cpu_kernel.CpuKernels.fits(w, torch.zeros(32))  # float32 bias
 
 
 def test_transformers_layers_use_the_kernel_and_match_transformers(amx, monkeypatch):
@@ -94,8 +107,8 @@ def test_transformers_layers_use_the_kernel_and_match_transformers(amx, monkeypa
     assert engine.matmul == "amx"
     engine.runner.native = None  # as for models decoder.c does not cover: transformers' layers, our matmul
     calls = []
-    original = cpu_kernel.AmxLinear.__call__
-    monkeypatch.setattr(cpu_kernel.AmxLinear, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    original = cpu_kernel.CpuKernels.__call__
+    monkeypatch.setattr(cpu_kernel.CpuKernels, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
     prompts = [[5, 9, 23, 7, 81, 3], [17, 4, 4, 60]]
     tables = [[0], [1]]
     chunks = [StepChunk(p, 0, t, True) for p, t in zip(prompts, tables)]
@@ -128,8 +141,6 @@ def test_switched_off_by_environment(fresh_load, monkeypatch):
 
 
 def test_failed_build_falls_back_to_torch_with_a_reason(fresh_load, monkeypatch, tmp_path):
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_kernel.cpu_flags():
-        pytest.skip("no AMX here: the build is never attempted")
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))  # no kernel built before
     monkeypatch.setenv("CC", "false")
     kernel, why = fresh_load()

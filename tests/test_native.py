@@ -1,4 +1,4 @@
-"""decoder.c through native.py: the C decoder layers for bf16 steps on AMX CPUs. They must be as close to the
+"""decoder.c through native.py: the C decoder layers for bf16 steps on CPUs. They must be as close to the
 float32 model as transformers' own bf16 code is, and a reply must not depend on how its tokens were batched,
 chunked or cached."""
 
@@ -22,12 +22,21 @@ SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_
              eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def amx():
+@pytest.fixture(scope="module", params=["native", "haswell"])
+def kernels(request, session_cache):
+    """Every test runs on this CPU's build (AMX here) and on the AVX2 one (what most laptops get)."""
+    if request.param != "native" and not {"avx2", "fma"} <= cpu_kernel.cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    patch.setenv("TUICHAT_CPU_ARCH", request.param)
+    cpu_kernel.load.cache_clear()
     kernel, why = cpu_kernel.load()
     if kernel is None:
-        pytest.skip(f"no AMX kernel here: {why}")
-    return kernel
+        pytest.skip(f"no kernels here: {why}")
+    yield kernel
+    patch.undo()
+    cpu_kernel.load.cache_clear()
 
 
 def make(arch: str):
@@ -84,7 +93,7 @@ def reference_logits(reference) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_as_close_to_float32_as_transformers_bf16(amx, arch):
+def test_as_close_to_float32_as_transformers_bf16(kernels, arch):
     model, reference = make(arch)
     engine = Engine(model, config=EngineConfig(num_blocks=32))
     assert engine.layers == "C" and engine.runner.native is not None
@@ -107,7 +116,7 @@ def greedy(engine: Engine, prompts: list[list[int]], tokens: int = 12) -> list[l
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
 
 
-def test_replies_do_not_depend_on_batching_chunking_or_caching(amx):
+def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels):
     """Exact token equality in bf16: every row takes the same arithmetic whatever else is in its step."""
     model, _ = make("llama")
     prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2]]
@@ -136,7 +145,7 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(amx):
     busy.close()
 
 
-def test_steps_beyond_512_rows_take_transformers_path(amx, monkeypatch):
+def test_steps_beyond_512_rows_take_transformers_path(kernels, monkeypatch):
     model, reference = make("llama")
     engine = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=1024))
     used = []
@@ -153,7 +162,7 @@ def test_steps_beyond_512_rows_take_transformers_path(amx, monkeypatch):
     engine.close()
 
 
-def test_unsupported_models_keep_transformers_layers(amx):
+def test_unsupported_models_keep_transformers_layers(kernels):
     model, _ = make("llama")
     engine = Engine(model.float(), config=EngineConfig(num_blocks=8))  # float32: no AMX kernel, no C layers
     assert engine.runner.native is None and engine.layers == "transformers"
@@ -166,7 +175,7 @@ def test_unsupported_models_keep_transformers_layers(amx):
     engine.close()
 
 
-def test_a_plan_outside_the_cache_is_an_error_not_a_crash(amx):
+def test_a_plan_outside_the_cache_is_an_error_not_a_crash(kernels):
     model, _ = make("llama")
     engine = Engine(model, config=EngineConfig(num_blocks=8))
     with pytest.raises(RuntimeError, match=r"\(-3\)"):

@@ -7,15 +7,21 @@
  * weight tile is read once and multiplied with every chunk. While the tiles multiply one block of 16 weight
  * rows, the next block is prefetched: that overlap is what torch's kernels lack for these shapes.
  */
+#include "kernels.h"
+
+#ifdef __AMX_TILE__
+#include <immintrin.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "amx_common.h"
-
 /* Linux hands out AMX state only to processes that ask for it. 0 on success. */
 int amx_enable(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */); }
+
+/* 0, s, 2s, ... 15s: the offsets of one column of a row-major block with s columns. */
+static inline __m512i column_offsets(int s) {
+    return _mm512_mullo_epi32(_mm512_set1_epi32(s), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
 
 #define MAX_M 512  /* a CPU step's whole token budget */
 #define CHUNK 16   /* rows per B tile */
@@ -59,7 +65,7 @@ int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
             int n0 = b * 16;
             const uint16_t *wb = w + (long)n0 * K, *next = wb + 16L * K;
             int ahead = N - (n0 + 16); if (ahead > 16) ahead = 16;
-            __m512 bv = bias ? load_bf16(bias + n0) : _mm512_setzero_ps();
+            __m512 bv = bias ? (__m512)load_bf16(bias + n0) : _mm512_setzero_ps();
             for (int g0 = 0; g0 < chunks; g0 += GROUP) {  /* after the first group, this block's weights are in cache */
                 int in_group = chunks - g0 < GROUP ? chunks - g0 : GROUP;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(7);
@@ -98,3 +104,4 @@ int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
     free(pairs);
     return 0;
 }
+#endif

@@ -1,12 +1,14 @@
-"""The AMX matmul for decode steps and short prefills (amx_linear.c), and the decoder layers built on it
-(decoder.c, driven by native.py): compiled on first use into the user cache dir, loaded with ctypes.
+"""tuichat's CPU kernels: the bf16 linear (amx_linear.c with AMX, vector_linear.c elsewhere) and the decoder
+layers built on it (decoder.c, driven by native.py). Compiled on first use, on the machine that runs them
+(-march=native), into the user cache dir, and loaded with ctypes.
 
-Why a kernel of our own: a decode step is bound by reading the weights once, and for a few rows torch's CPU
-kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where this one,
-prefetching the next weight rows while AMX multiplies the current ones, reads at ~21 GB/s (all of
-SmolLM2-135M's linears: 12 ms at 8 rows against torch's 25; 23 against 40 at 48 rows). Only the C compiler
-is needed, no torch headers, so building takes under a second. Without AMX, a compiler, or with
-TUICHAT_CPU_KERNELS=0, the engine keeps torch's kernels.
+Why kernels of our own: a decode step is bound by reading the weights once, and for a few rows torch's CPU
+kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where the AMX one,
+prefetching the next weight rows while the tiles multiply, reads at ~21 GB/s (all of SmolLM2-135M's
+linears: 12 ms at 8 rows against torch's 25); and the rest of a step through transformers' modules is some
+1,600 small torch ops. Only the C compiler is needed, no torch headers: building takes about a second.
+Without a compiler, or with TUICHAT_CPU_KERNELS=0, the engine keeps transformers' layers and torch's
+kernels; TUICHAT_CPU_ARCH=haswell (any -march value) builds for another instruction set.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch
 from tuichat.paths import cache_dir
 
 MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
-_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "decoder.c")]
-_HEADERS = [Path(__file__).with_name("amx_common.h")]
-_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-          "-mamx-tile", "-mamx-bf16"]
+_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "vector_linear.c", "decoder.c")]
+_HEADERS = [Path(__file__).with_name("kernels.h")]
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp"]
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 
 def cpu_flags() -> set[str]:
@@ -40,10 +42,15 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-class AmxLinear:
+class CpuKernels:
+    """The built library: `isa` says which instructions its linear uses ("amx", "avx512", "avx2", ...);
+    calling it runs the linear."""
+
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library  # keeps the .so mapped; native.py finds decoder_forward in it
-        self._fn = library.amx_linear
+        library.kernel_isa.restype = ctypes.c_char_p
+        self.isa: str = library.kernel_isa().decode()
+        self._fn = library.cpu_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int]
 
@@ -72,7 +79,7 @@ class AmxLinear:
             rows.shape[0], out_features, in_features, rows.stride(0), out_features, torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"amx_linear failed ({status}) for {tuple(rows.shape)} x {tuple(weight.shape)}")
+            raise RuntimeError(f"cpu_linear failed ({status}) for {tuple(rows.shape)} x {tuple(weight.shape)}")
         return y.view(*x.shape[:-1], out_features)
 
 
@@ -80,15 +87,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, *_FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / key / "cpu_kernels.so"
+    # -march=native means this CPU: a cache dir shared by two machines must not share the build.
+    cpu = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, cpu, *flags]).encode())
+    target = cache_dir() / "kernels" / key.hexdigest()[:16] / "cpu_kernels.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: two processes may build at once
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
             os.replace(built, target)
@@ -96,19 +105,20 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def load() -> tuple[AmxLinear | None, str]:
-    """(the kernel or None, a few words on why) — built at most once per process."""
+def load() -> tuple[CpuKernels | None, str]:
+    """(the kernels or None, a few words on why) — built at most once per process."""
     if os.environ.get("TUICHAT_CPU_KERNELS", "1").lower() in ("0", "off", "false", "no"):
         return None, "off (TUICHAT_CPU_KERNELS)"
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags():
-        return None, "torch (no AMX on this CPU)"
     compiler = _compiler()
     if compiler is None:
-        return None, "torch (no C compiler to build the AMX kernel)"
+        return None, "torch (no C compiler to build tuichat's kernels)"
+    arch = os.environ.get("TUICHAT_CPU_ARCH", "native")
+    flags = [*_FLAGS, f"-march={arch}"]
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(_build(compiler, flags)))
+        if library.amx_enable() != 0:  # the CPU has AMX but the kernel won't hand it to this process
+            library = ctypes.CDLL(str(_build(compiler, flags + _NO_AMX)))
     except (OSError, RuntimeError) as exc:
-        return None, f"torch (AMX kernel build failed: {exc})"
-    if library.amx_enable() != 0:
-        return None, "torch (the kernel refused AMX to this process)"
-    return AmxLinear(library), "amx"
+        return None, f"torch (kernel build failed: {exc})"
+    kernels = CpuKernels(library)
+    return kernels, kernels.isa

@@ -1,7 +1,7 @@
-/* The decoder layers of a llama-family model (llama, mistral, qwen2) in one call, for steps of 1 to 512 rows
- * on CPUs with AMX; built with amx_linear.c and driven by native.py.
+/* The decoder layers of a llama-family model (llama, mistral, qwen2) in one call, for steps of 1 to 512 rows,
+ * in bf16; built with the linears (amx_linear.c or vector_linear.c) and driven by native.py.
  *
- * Why: with the matmuls in amx_linear, a decode step through transformers' modules still spent ~10 ms of
+ * Why: with the matmuls in our AMX kernel, a decode step through transformers' modules still spent ~10 ms of
  * ~28 in some 1,600 small torch ops and their Python: norms, rotary, casts, gathers, adds. Here a layer is
  * eight passes over a few rows. The arithmetic mirrors transformers' bf16 code: every place where torch
  * rounds an intermediate to bf16, this code rounds too, so the two differ only in the order of fp32 sums.
@@ -11,89 +11,61 @@
  * attends to positions 0..pos[t] of its sequence through the cache (so a prefill chunk's rows see each
  * other causally, and cached prefixes come for free).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "amx_common.h"
-
-int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads);
-
-static inline void store_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-/* What torch does after each bf16 op: round the fp32 result to bf16 (nearest even). */
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-/* e^x, within ~2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "kernels.h"
+#ifdef __AMX_TILE__
+#include <immintrin.h>
+#endif
 
 /* transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16, times the weight, rounded. */
 static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps) {
     for (int t = 0; t < rows; t++) {
         const uint16_t *row = x + (long)t * width;
-        __m512 squares = _mm512_setzero_ps();
-        for (int i = 0; i < width; i += 16) { __m512 v = load_bf16(row + i); squares = _mm512_fmadd_ps(v, v, squares); }
-        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / width + eps));
-        for (int i = 0; i < width; i += 16) {
-            __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(row + i), scale));
-            store_bf16(out + (long)t * width + i, _mm512_mul_ps(normed, load_bf16(weight + i)));
-        }
+        vf squares = {};
+        for (int i = 0; i < width; i += LANES) { vf v = load_bf16(row + i); squares += v * v; }
+        vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
+        for (int i = 0; i < width; i += LANES)
+            store_bf16(out + (long)t * width + i, round_bf16(load_bf16(row + i) * scale) * load_bf16(weight + i));
     }
 }
 
 /* x (+)= y, rounded: the residual adds. */
 static void add_into(uint16_t *x, const uint16_t *y, long n) {
-    for (long i = 0; i < n; i += 16) store_bf16(x + i, _mm512_add_ps(load_bf16(x + i), load_bf16(y + i)));
+    for (long i = 0; i < n; i += LANES) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
 }
 
 /* q * cos + rotate_half(q) * sin over one head, each product and the sum rounded as torch does. */
 static void rotate(uint16_t *head, const uint16_t *cos, const uint16_t *sin, int dim) {
     int half = dim / 2;
-    for (int i = 0; i < half; i += 16) {
-        __m512 x1 = load_bf16(head + i), x2 = load_bf16(head + half + i);
-        __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load_bf16(cos + i))),
-                                  round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load_bf16(sin + i))));
-        __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load_bf16(cos + half + i))),
-                                  round_bf16(_mm512_mul_ps(x1, load_bf16(sin + half + i))));
+    for (int i = 0; i < half; i += LANES) {
+        vf x1 = load_bf16(head + i), x2 = load_bf16(head + half + i);
+        vf lo = round_bf16(x1 * load_bf16(cos + i)) + round_bf16(-x2 * load_bf16(sin + i));
+        vf hi = round_bf16(x2 * load_bf16(cos + half + i)) + round_bf16(x1 * load_bf16(sin + half + i));
         store_bf16(head + i, lo);
         store_bf16(head + half + i, hi);
     }
 }
 
-/* s[0..n) <- exp(s - max s), in place; returns 1 / their sum (the caller scales once, at the end). */
+/* s[0..n) <- exp(s - max s), in place, for n rounded up to LANES (the caller pads); returns 1 / the sum of
+ * the first n (the caller scales once, at the end). */
 static float softmax_numerators(float *s, int n) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < n; j += 16) {
-        __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
+    int padded = (n + LANES - 1) / LANES * LANES;
+    for (int j = n; j < padded; j++) s[j] = -INFINITY;
+    vf top = splat(-INFINITY);
+    for (int j = 0; j < padded; j += LANES) { vf v = load_f32(s + j); top = pick(v > top, v, top); }
+    vf shift = splat(hmax(top)), total = {};
+    for (int j = 0; j < padded; j += LANES) {
+        vf p = vexp(load_f32(s + j) - shift);
+        p = pick(load_f32(s + j) == -INFINITY, splat(0.0f), p);
+        store_f32(s + j, p);
+        total += p;
     }
-    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top)), total = _mm512_setzero_ps();
-    for (int j = 0; j < n; j += 16) {
-        __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), shift));
-        _mm512_mask_storeu_ps(s + j, live, p);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, p));
-    }
-    return 1.0f / _mm512_reduce_add_ps(total);
+    return 1.0f / hsum(total);
 }
 
 /* The cache slot of position j of a sequence. */
@@ -103,9 +75,9 @@ static inline long slot_at(const int32_t *table, int block_size, int j) {
 
 /* Ask for one block's 16 rows of one head ahead of use: a decode's K/V come from DRAM (a step's weights
  * have evicted them) and at 16 positions per ~50 ns of compute, only a deep prefetch keeps the loads busy. */
-#define PREFETCH_BLOCK(cache, first, stride, dim, hint)                                                     \
+#define PREFETCH_BLOCK(cache, first, stride, dim, level)                                                    \
     for (int j_ = 0; j_ < 16; j_++)                                                                       \
-        for (int b_ = 0; b_ < (dim) * 2; b_ += 64) _mm_prefetch((const char *)((cache) + ((first) + j_) * (stride)) + b_, hint);
+        for (int b_ = 0; b_ < (dim) * 2; b_ += 64) __builtin_prefetch((const char *)((cache) + ((first) + j_) * (stride)) + b_, 0, level);
 #define AHEAD 64  /* positions */
 
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
@@ -118,30 +90,26 @@ static inline long slot_at(const int32_t *table, int block_size, int j) {
 static inline __attribute__((always_inline)) void attend_shape(
         const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         int block_size, int n, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work) {
-    const int chunks = dim / 16;
+    const int chunks = dim / LANES;
     int padded = (n + 31) / 32 * 32;
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
     const uint16_t *k_head = k_cache + (long)kv_head * dim, *v_head = v_cache + (long)kv_head * dim;
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        for (int ahead = j0 == 0 ? 0 : j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
+            long first = slot_at(table, block_size, ahead);
+            PREFETCH_BLOCK(k_head, first, stride, dim, 3)
+            PREFETCH_BLOCK(v_head, first, stride, dim, 2)  /* in L2 by the time the values are summed */
+        }
+    }
+#ifdef __AMX_TILE__
     uint32_t pairs[4][16][8];  /* per 32 dims: [pair][head] = (q[2i], q[2i+1]); dim <= 128, group <= 8 */
     for (int c = 0; c < dim / 32; c++)
         for (int i = 0; i < 16; i++)
             for (int h = 0; h < group; h++) memcpy(&pairs[c][i][h], q + (long)h * dim + 32 * c + 2 * i, 4);
     float *by_key = work + (long)group * padded;  /* [position][head], as the tiles store them */
     for (int j0 = 0; j0 < n; j0 += 32) {
-        int two = j0 + 16 < n;
         const uint16_t *keys0 = k_head + slot_at(table, block_size, j0) * stride;
-        const uint16_t *keys1 = two ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
-        for (int ahead = j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
-            long first = slot_at(table, block_size, ahead);
-            PREFETCH_BLOCK(k_head, first, stride, dim, _MM_HINT_T0)
-            PREFETCH_BLOCK(v_head, first, stride, dim, _MM_HINT_T1)  /* in L2 by the time the values are summed */
-        }
-        if (j0 == 0)
-            for (int ahead = 0; ahead < n && ahead < AHEAD; ahead += 16) {
-                long first = slot_at(table, block_size, ahead);
-                PREFETCH_BLOCK(k_head, first, stride, dim, _MM_HINT_T0)
-                PREFETCH_BLOCK(v_head, first, stride, dim, _MM_HINT_T1)
-            }
+        const uint16_t *keys1 = j0 + 16 < n ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
         _tile_zero(0);
         _tile_zero(3);
         for (int c = 0; c < dim / 32; c++) {
@@ -154,31 +122,44 @@ static inline __attribute__((always_inline)) void attend_shape(
         _tile_stored(0, by_key + (long)j0 * group, group * 4);
         _tile_stored(3, by_key + (long)(j0 + 16) * group, group * 4);
     }
-    __m512i column = column_offsets(group);
-    float inverse[8];
-    for (int h = 0; h < group; h++) {
-        for (int j0 = 0; j0 < n; j0 += 16)
-            _mm512_storeu_ps(work + (long)h * padded + j0,
-                             _mm512_mul_ps(_mm512_i32gather_ps(column, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
-        inverse[h] = softmax_numerators(work + (long)h * padded, n);
-    }
-    __m512 acc[8][8];
     for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) work[(long)h * padded + j] = by_key[(long)j * group + h] * scale;
+#else
+    vf qv[8][128 / LANES];
+    for (int h = 0; h < group; h++)
+        for (int c = 0; c < chunks; c++) qv[h][c] = load_bf16(q + (long)h * dim + LANES * c);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
+        for (int j = j0; j < n && j < j0 + 16; j++) {
+            vf kv[128 / LANES];
+            for (int c = 0; c < chunks; c++) kv[c] = load_bf16(keys + (j - j0) * stride + LANES * c);
+            for (int h = 0; h < group; h++) {
+                vf dot = qv[h][0] * kv[0];
+                for (int c = 1; c < chunks; c++) dot += qv[h][c] * kv[c];
+                work[(long)h * padded + j] = hsum(dot) * scale;
+            }
+        }
+    }
+#endif
+    float inverse[8];
+    for (int h = 0; h < group; h++) inverse[h] = softmax_numerators(work + (long)h * padded, n);
+    vf acc[8][128 / LANES];
+    for (int h = 0; h < group; h++)
+        for (int c = 0; c < chunks; c++) acc[h][c] = splat(0.0f);
     for (int j0 = 0; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
         const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride;
-        if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, _MM_HINT_T0)
+        if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
         for (int j = j0; j < n && j < j0 + 16; j++) {
-            __m512 vv[8];
-            for (int c = 0; c < chunks; c++) vv[c] = load_bf16(values + (j - j0) * stride + 16 * c);
+            vf vv[128 / LANES];
+            for (int c = 0; c < chunks; c++) vv[c] = load_bf16(values + (j - j0) * stride + LANES * c);
             for (int h = 0; h < group; h++) {
-                __m512 weight = _mm512_set1_ps(work[(long)h * padded + j]);
-                for (int c = 0; c < chunks; c++) acc[h][c] = _mm512_fmadd_ps(weight, vv[c], acc[h][c]);
+                vf weight = splat(work[(long)h * padded + j]);
+                for (int c = 0; c < chunks; c++) acc[h][c] += weight * vv[c];
             }
         }
     }
     for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) store_bf16(out + (long)h * dim + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inverse[h])));
+        for (int c = 0; c < chunks; c++) store_bf16(out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
 }
 
 static void attend(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -193,6 +174,7 @@ static void attend(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, co
 #undef SHAPE
 }
 
+#ifdef __AMX_TILE__
 /* Tiles 0, 3: scores, 16 keys x group; 1, 4: 16 keys x 32 dims; 2: 16 dim pairs x group. */
 static void attention_tiles(int group) {
     tile_config cfg;
@@ -203,16 +185,17 @@ static void attention_tiles(int group) {
     cfg.rows[2] = 16; cfg.colsb[2] = group * 4;
     _tile_loadconfig(&cfg);
 }
+#endif
 
 /* silu(gate) * up, each rounded as torch rounds them; gate_up rows are [gate | up]. */
 static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * width >= 16384)
     for (int t = 0; t < rows; t++) {
         const uint16_t *gate = gate_up + (long)t * 2 * width, *up = gate + width;
-        for (int i = 0; i < width; i += 16) {
-            __m512 g = load_bf16(gate + i);
-            __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-            store_bf16(out + (long)t * width + i, _mm512_mul_ps(act, load_bf16(up + i)));
+        for (int i = 0; i < width; i += LANES) {
+            vf g = load_bf16(gate + i);
+            vf act = round_bf16(g / (1.0f + vexp(-g)));
+            store_bf16(out + (long)t * width + i, act * load_bf16(up + i));
         }
     }
 }
@@ -245,7 +228,7 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
         const uint64_t *p = layers + (long)l * PER_LAYER;
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
         rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
-        status |= amx_linear(normed, (const uint16_t *)p[QKV_W], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
+        status |= cpu_linear(normed, (const uint16_t *)p[QKV_W], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
         for (int t = 0; t < rows; t++) {
             uint16_t *row = qkv + (long)t * qkv_width;
             for (int h = 0; h < heads + kv_heads; h++) rotate(row + (long)h * dim, cos + (long)t * dim, sin + (long)t * dim, dim);
@@ -256,7 +239,9 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
         }
         #pragma omp parallel num_threads(threads)
         {
+#ifdef __AMX_TILE__
             attention_tiles(group);
+#endif
             float *mine = work + (size_t)omp_get_thread_num() * 2 * group * ((longest + 31) / 32 * 32);
             #pragma omp for schedule(dynamic)
             for (int task = 0; task < rows * kv_heads; task++) {
@@ -264,14 +249,16 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
                 attend(qkv + (long)t * qkv_width + (long)g * group * dim, attn + (long)t * heads * dim + (long)g * group * dim,
                        k_cache, v_cache, tables + table_off[t], block_size, pos[t] + 1, kv_heads, g, group, dim, scale, mine);
             }
+#ifdef __AMX_TILE__
             _tile_release();
+#endif
         }
-        status |= amx_linear(attn, (const uint16_t *)p[O_W], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
+        status |= cpu_linear(attn, (const uint16_t *)p[O_W], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
         add_into(hidden, tmp, (long)rows * width);
         rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
-        status |= amx_linear(normed, (const uint16_t *)p[GATE_UP_W], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
+        status |= cpu_linear(normed, (const uint16_t *)p[GATE_UP_W], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
         silu_mul(gate_up, act, rows, inter, threads);
-        status |= amx_linear(act, (const uint16_t *)p[DOWN_W], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
+        status |= cpu_linear(act, (const uint16_t *)p[DOWN_W], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
         add_into(hidden, tmp, (long)rows * width);
     }
     free(normed); free(tmp); free(qkv); free(attn); free(gate_up); free(act); free(work);

@@ -5,8 +5,8 @@ At decode time a CPU step is dominated by per-call matmul overhead rather than b
   for standard models, so we concatenate their weights into one matmul and let the original attribute
   names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
   the same tensor; the first call computes all of them, the others take their slice.
-- A step's few rows (up to 64: one per decoding tab, plus short prefills) go through the AMX kernel of cpu_kernel.py when
-  the model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: on
+- For models decoder.c does not cover, a step's rows go through the AMX linear of cpu_kernel.py when the
+  model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: on
   this CPU torch's bf16 gemv reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2
   vs 8.4 ms, one thread).
 """
@@ -17,13 +17,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tuichat.engine.cpu_kernel import MAX_ROWS, AmxLinear
+from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
 
 _GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: AmxLinear | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuKernels | None = None
 ) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if kernel is not None and rows <= MAX_ROWS:
@@ -38,7 +38,7 @@ def linear(
 class DecodeLinear(nn.Linear):
     """nn.Linear whose forward takes the decode paths for few rows; swapped in by class, weights untouched."""
 
-    kernel: AmxLinear | None = None
+    kernel: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernel)
@@ -54,7 +54,7 @@ class FusedLinear(nn.Module):
             parts = [b.data if b is not None else l.weight.new_zeros(l.out_features) for b, l in zip(biases, linears)]
             self.bias = nn.Parameter(torch.cat(parts), requires_grad=False)
         self.sizes = [l.out_features for l in linears]
-        self.kernel: AmxLinear | None = None
+        self.kernel: CpuKernels | None = None
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
@@ -79,7 +79,7 @@ class FusedSlice(nn.Module):
         return self._fused[0].part(x, self.index)
 
 
-def speed_up_linears(model, kernel: AmxLinear | None = None) -> int:
+def speed_up_linears(model, kernel: CpuKernels | None = None) -> int:
     """Fuse q/k/v and gate/up in every decoder layer that has them, and give every remaining plain linear
     the decode paths; `kernel` goes to each linear whose weights suit it. Returns how many groups were fused."""
     fused = 0

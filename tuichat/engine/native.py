@@ -1,8 +1,8 @@
-"""Steps of up to 64 rows (decodes, short prefills, both mixed) of a llama-family model in bf16 on an AMX
-CPU run through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops.
+"""Steps of up to 512 rows (decodes, prefill chunks, both mixed) of a llama-family model in bf16 on a CPU run
+through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops.
 
 transformers still does what is one op per step anyway: the embedding lookup, the rotary cos/sin (so every
-RoPE variant it knows keeps working), the final norm and the lm_head. Longer steps, other architectures,
+RoPE variant it knows keeps working) and the final norm; the lm_head goes through our linear. Longer steps, other architectures,
 other dtypes and devices keep the transformers path of runner.py; both read and write the same paged cache.
 """
 
@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from tuichat.engine.cpu_kernel import MAX_ROWS, AmxLinear
+from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
 from tuichat.engine.kv_cache import KVCache
 
 # Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
@@ -24,10 +24,10 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def unsupported_reason(model, kernel: AmxLinear | None) -> str | None:
+def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
     """Why decoder.c can't run this model (None: it can). Expects speed_up_linears to have run."""
     if kernel is None:
-        return "no AMX kernel"
+        return "no CPU kernels"
     config = _text_config(model.config)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"{config.model_type} layers are not implemented in C"
@@ -48,13 +48,13 @@ def unsupported_reason(model, kernel: AmxLinear | None) -> str | None:
     for layer in model.model.layers:
         linears = [getattr(layer.self_attn, "fused_q_k_v", None), layer.self_attn.o_proj,
                    getattr(layer.mlp, "fused_gate_up", None), layer.mlp.down_proj]
-        if any(getattr(l, "kernel", None) is None for l in linears):
-            return "a linear the AMX kernel does not take"
+        if any(l is None or not CpuKernels.fits(l.weight, l.bias) for l in linears):
+            return "a linear our kernel does not take"
     return None
 
 
 class NativeDecoder:
-    def __init__(self, model, kv: KVCache, block_size: int, kernel: AmxLinear) -> None:
+    def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels) -> None:
         config = _text_config(model.config)
         self.model = model
         self.block_size = block_size
@@ -65,6 +65,9 @@ class NativeDecoder:
         layers = model.model.layers
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.scale = layers[0].self_attn.scaling
+        head = model.lm_head
+        # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
+        self.lm_head = (lambda x: kernel(x, head.weight, head.bias)) if CpuKernels.fits(head.weight, head.bias) else head
         self._fn = kernel.library.decoder_forward
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
@@ -125,4 +128,4 @@ class NativeDecoder:
         if not sample_rows:
             return None
         last = model.norm(hidden[sample_rows])
-        return self.model.lm_head(last).float()
+        return self.lm_head(last).float()

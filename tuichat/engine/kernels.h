@@ -1,0 +1,113 @@
+/* What amx_linear.c, vector_linear.c and decoder.c share: bf16 conversions and vector math written with GCC
+ * vector extensions, so the same source compiles to AVX-512, AVX2 or NEON for the CPU it is built on
+ * (cpu_kernel.py builds on first use, on the machine that runs it). Within one build every row takes the
+ * same instructions in the same order, which is what keeps a reply independent of its batch. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+static inline vf splat(float x) { return (vf){} + x; }
+
+/* mask ? a : b, lane by lane (C has no vector ?:). */
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* LANES bf16 values widened to fp32 (exact). */
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* fp32 to bf16, rounding to nearest even as torch does; NaN stays NaN. */
+static inline vh to_bf16(vf f) {
+    vu u = (vu)f;
+    vu rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    vu nan = (vu)((u & 0x7fffffff) > 0x7f800000);
+    return __builtin_convertvector((rounded & ~nan) | (((u >> 16) | 0x40) & nan), vh);
+}
+
+static inline void store_bf16(uint16_t *p, vf f) {
+    vh h = to_bf16(f);
+    memcpy(p, &h, sizeof h);
+}
+
+/* What torch does after each bf16 op: round the fp32 result to bf16. */
+static inline vf round_bf16(vf f) { return (vf)(__builtin_convertvector(to_bf16(f), vu) << 16); }
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    vf v = splat(f);
+    return to_bf16(v)[0];
+}
+
+/* Lane sum and lane max, by halving: a fixed order, and ~log2(LANES) steps instead of LANES. */
+#if LANES == 16
+#define HALVES(v, op)                                                                                        \
+    vf8 a8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) op __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+typedef float vf8 __attribute__((vector_size(32)));
+static inline float hsum(vf v) {
+    HALVES(v, +)
+    return a8[0] + a8[4] + (a8[1] + a8[5]) + (a8[2] + a8[6] + (a8[3] + a8[7]));
+}
+#else
+static inline float hsum(vf v) { return v[0] + v[4] + (v[1] + v[5]) + (v[2] + v[6] + (v[3] + v[7])); }
+#endif
+
+static inline float hmax(vf v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* e^x within ~2 ulp for x in [-87.3, 88.7] (clamped there): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2. */
+static inline vf vexp(vf x) {
+    x = pick(x < -87.3f, splat(-87.3f), x);
+    x = pick(x > 88.7f, splat(88.7f), x);
+    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
+    vf r = x - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;
+    vf p = splat(1.0f / 5040);
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+#ifdef __AMX_TILE__
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+#endif
+
+int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads);
