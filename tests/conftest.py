@@ -24,6 +24,10 @@ def isolated_dirs(tmp_path, session_cache, monkeypatch):
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
 
 
+# tuichat's CPU kernels as built for this CPU, for Zen 4-like CPUs (AVX-512 with BF16, no AMX) and for most
+# laptops (AVX2): each -march value with the CPU flags it needs to run here.
+CPU_BUILDS = {"native": set(), "cooperlake": {"avx512f", "avx512_bf16"}, "haswell": {"avx2", "fma"}}
+
 TINY = {
     "llama": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),

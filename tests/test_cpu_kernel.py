@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import make_tiny
+from tests.conftest import CPU_BUILDS, make_tiny
 from tuichat.engine import cpu_kernel
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
@@ -21,11 +21,11 @@ def fresh_load():
     cpu_kernel.load.cache_clear()
 
 
-@pytest.fixture(params=["native", "haswell"])
+@pytest.fixture(params=list(CPU_BUILDS))
 def kernels(request, fresh_load, monkeypatch):
-    """This CPU's build and the AVX2 one (what most laptops get), both run here."""
-    if request.param != "native" and not {"avx2", "fma"} <= cpu_kernel.cpu_flags():
-        pytest.skip("this CPU cannot run an AVX2 build")
+    """This CPU's build and the others of CPU_BUILDS that it can run."""
+    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
+        pytest.skip(f"this CPU cannot run a {request.param} build")
     monkeypatch.setenv("TUICHAT_CPU_ARCH", request.param)
     kernel, why = fresh_load()
     if kernel is None:

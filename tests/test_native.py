@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 
+from tests.conftest import CPU_BUILDS
+
 from tuichat.backend import SamplingParams
 from tuichat.engine import cpu_kernel, native
 from tuichat.engine.engine import Engine, EngineConfig
@@ -22,11 +24,11 @@ SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_
              eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-@pytest.fixture(scope="module", params=["native", "haswell"])
+@pytest.fixture(scope="module", params=list(CPU_BUILDS))
 def kernels(request, session_cache):
-    """Every test runs on this CPU's build (AMX here) and on the AVX2 one (what most laptops get)."""
-    if request.param != "native" and not {"avx2", "fma"} <= cpu_kernel.cpu_flags():
-        pytest.skip("this CPU cannot run an AVX2 build")
+    """Every test runs on this CPU's build (AMX here) and on the others of CPU_BUILDS that it can run."""
+    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
+        pytest.skip(f"this CPU cannot run a {request.param} build")
     patch = pytest.MonkeyPatch()
     patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
     patch.setenv("TUICHAT_CPU_ARCH", request.param)

@@ -16,6 +16,17 @@
 #define MR 2 /* 8 of 16 */
 #endif
 
+/* An NR x mr tile's sums (sums[j * NR + i]: weight row n0 + i, input row m0 + j; NR * MR == LANES), plus
+ * the bias, rounded to bf16 into y. */
+static inline void store_tile(const vf *sums, const uint16_t *bias, uint16_t *y, long y_stride, int n0, int m0, int mr) {
+    vf out = sum_each(sums);
+    if (bias)
+        for (int l = 0; l < LANES; l++) out[l] += bf16_to_float(bias[n0 + l % NR]);
+    vh rounded = to_bf16(out);
+    for (int j = 0; j < mr; j++) memcpy(y + (long)(m0 + j) * y_stride + n0, (uint16_t *)&rounded + j * NR, NR * sizeof(uint16_t));
+}
+
+#ifndef __AVX512BF16__
 static inline __attribute__((always_inline)) void tile(const float *xf, const float *wf, const uint16_t *bias,
                                                        uint16_t *y, int K, long y_stride, int n0, int m0, const int mr) {
     vf acc[NR][MR] = {};
@@ -27,44 +38,82 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const fl
             for (int i = 0; i < NR; i++) acc[i][j] += wv[i] * xv;
         }
     }
+    vf sums[LANES] = {};
     for (int j = 0; j < mr; j++)
-        for (int i = 0; i < NR; i++)
-            y[(long)(m0 + j) * y_stride + n0 + i] = float_to_bf16(hsum(acc[i][j]) + (bias ? bf16_to_float(bias[n0 + i]) : 0.0f));
+        for (int i = 0; i < NR; i++) sums[j * NR + i] = acc[i][j];
+    store_tile(sums, bias, y, y_stride, n0, m0, mr);
 }
+#endif
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+/* With AVX512-BF16 (Zen 4, Cooper Lake) the products come straight from bf16 in memory: each lane sums a pair
+ * of products per instruction, twice the work of an fp32 FMA and no widening. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, long x_stride, const uint16_t *w,
+                                                            const uint16_t *bias, uint16_t *y, int K, long y_stride,
+                                                            int n0, int m0, const int mr) {
+    __m512 acc[NR][MR];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < mr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512bh wv[NR];
+        for (int i = 0; i < NR; i++) wv[i] = (__m512bh)_mm512_loadu_si512(w + (long)(n0 + i) * K + k);
+        for (int j = 0; j < mr; j++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (long)(m0 + j) * x_stride + k);
+            for (int i = 0; i < NR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+        }
+    }
+    vf sums[LANES] = {};
+    for (int j = 0; j < mr; j++)
+        for (int i = 0; i < NR; i++) sums[j * NR + i] = (vf)acc[i][j];
+    store_tile(sums, bias, y, y_stride, n0, m0, mr);
+}
+#define TILE(mr, m0) tile_bf16(x, x_stride, w, bias, y, K, y_stride, n0, m0, mr)
+#else
+#define TILE(mr, m0) tile(xf, mine, bias, y, K, y_stride, n0, m0, mr)
+#endif
 
 /* Same contract as amx_linear: y[m, n] = x[m, :] . w[n, :] (+ bias[n]); 1 <= M <= 512, K % 32, N % 16.
- * Weight rows are widened once per call into a per-thread buffer, inputs once per call. */
+ * Without AVX512-BF16, weight rows are widened once per call into a per-thread buffer, inputs once per call. */
 static int vector_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N,
                          int K, long x_stride, long y_stride, int threads) {
     if (M < 1 || M > 512 || K % 32 || N % 16) return -1;
+#ifndef __AVX512BF16__
     float *xf = malloc(sizeof(float) * (size_t)M * K), *wf = malloc(sizeof(float) * (size_t)threads * NR * K);
     if (!xf || !wf) { free(xf); free(wf); return -2; }
     for (int m = 0; m < M; m++)
         for (int k = 0; k < K; k += LANES) store_f32(xf + (long)m * K + k, load_bf16(x + (long)m * x_stride + k));
+#endif
     int full = M / MR * MR;
     #pragma omp parallel num_threads(threads)
     {
+#ifndef __AVX512BF16__
         float *mine = wf + (size_t)omp_get_thread_num() * NR * K;
+#endif
         #pragma omp for schedule(dynamic, 4)
         for (int n0 = 0; n0 < N; n0 += NR) {
             const uint16_t *next = w + (long)(n0 + NR) * K;  /* the next tile of this thread's chunk, usually */
+            if (n0 + NR < N)
+                for (int i = 0; i < NR; i++)
+                    for (int k = 0; k < K; k += 32) __builtin_prefetch(next + (long)i * K + k, 0, 3);
+#ifndef __AVX512BF16__
             for (int i = 0; i < NR; i++)
-                for (int k = 0; k < K; k += LANES) {
-                    if (n0 + NR < N && k % 32 == 0) __builtin_prefetch(next + (long)i * K + k, 0, 3);
-                    store_f32(mine + (long)i * K + k, load_bf16(w + (long)(n0 + i) * K + k));
-                }
-            for (int m0 = 0; m0 < full; m0 += MR) tile(xf, mine, bias, y, K, y_stride, n0, m0, MR);
+                for (int k = 0; k < K; k += LANES) store_f32(mine + (long)i * K + k, load_bf16(w + (long)(n0 + i) * K + k));
+#endif
+            for (int m0 = 0; m0 < full; m0 += MR) TILE(MR, m0);
             switch (M - full) {  /* the rest, with tile sizes known at compile time */
-                case 1: tile(xf, mine, bias, y, K, y_stride, n0, full, 1); break;
+                case 1: TILE(1, full); break;
 #if MR > 2
-                case 2: tile(xf, mine, bias, y, K, y_stride, n0, full, 2); break;
-                case 3: tile(xf, mine, bias, y, K, y_stride, n0, full, 3); break;
+                case 2: TILE(2, full); break;
+                case 3: TILE(3, full); break;
 #endif
             }
         }
     }
+#ifndef __AVX512BF16__
     free(xf);
     free(wf);
+#endif
     return 0;
 }
 #endif
@@ -85,6 +134,8 @@ int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 const char *kernel_isa(void) {
 #if defined(__AMX_TILE__)
     return "amx";
+#elif defined(__AVX512BF16__)
+    return "avx512-bf16";
 #elif defined(__AVX512F__)
     return "avx512";
 #elif defined(__AVX2__)
