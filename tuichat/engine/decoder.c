@@ -122,8 +122,11 @@ static inline __attribute__((always_inline)) void attend_shape(
         _tile_stored(0, by_key + (long)j0 * group, group * 4);
         _tile_stored(3, by_key + (long)(j0 + 16) * group, group * 4);
     }
+    const __m512i by_head = _mm512_mullo_epi32(_mm512_set1_epi32(group), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (int h = 0; h < group; h++)
-        for (int j = 0; j < n; j++) work[(long)h * padded + j] = by_key[(long)j * group + h] * scale;
+        for (int j0 = 0; j0 < n; j0 += 16)
+            _mm512_storeu_ps(work + (long)h * padded + j0,
+                             _mm512_mul_ps(_mm512_i32gather_ps(by_head, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
 #else
     vf qv[8][128 / LANES];
     for (int h = 0; h < group; h++)
