@@ -145,3 +145,15 @@ def test_failed_build_falls_back_to_torch_with_a_reason(fresh_load, monkeypatch,
     monkeypatch.setenv("CC", "false")
     kernel, why = fresh_load()
     assert kernel is None and "build failed" in why
+
+
+def test_a_first_build_is_announced(fresh_load, monkeypatch, tmp_path):
+    """The first build takes seconds: the backend shows progress when build_pending() says one is coming."""
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
+    assert cpu_kernel.build_pending()
+    kernel, why = fresh_load()
+    assert kernel is not None, why
+    assert not cpu_kernel.build_pending()  # loaded in this process
+    cpu_kernel.load.cache_clear()
+    assert not cpu_kernel.build_pending()  # and on disk for the next one
+

@@ -103,6 +103,12 @@ class LocalBackend:
                 prefix_cache=self.options.prefix_cache,
                 tp=self.options.tp,
             )
+            import torch
+
+            from tuichat.engine import cpu_kernel
+
+            if device.type == "cpu" and dtype is torch.bfloat16 and cpu_kernel.build_pending():
+                loader.report(progress, "Building tuichat's CPU kernels (once)")
             engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
             engine.start()
             self._loaded[resolved.name] = _Loaded(

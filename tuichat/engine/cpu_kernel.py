@@ -6,7 +6,7 @@ Why kernels of our own: a decode step is bound by reading the weights once, and 
 kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where the AMX one,
 prefetching the next weight rows while the tiles multiply, reads at ~21 GB/s (all of SmolLM2-135M's
 linears: 12 ms at 8 rows against torch's 25); and the rest of a step through transformers' modules is some
-1,600 small torch ops. Only the C compiler is needed, no torch headers: building takes about a second.
+1,600 small torch ops. Only the C compiler is needed, no torch headers: building takes a few seconds, once.
 Without a compiler, or with TUICHAT_CPU_KERNELS=0, the engine keeps transformers' layers and torch's
 kernels; TUICHAT_CPU_ARCH=haswell (any -march value) builds for another instruction set.
 """
@@ -87,12 +87,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(compiler: str, flags: list[str]) -> Path:
+def _library_path(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native means this CPU: a cache dir shared by two machines must not share the build.
     cpu = " ".join(sorted(cpu_flags()))
     key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, cpu, *flags]).encode())
-    target = cache_dir() / "kernels" / key.hexdigest()[:16] / "cpu_kernels.so"
+    return cache_dir() / "kernels" / key.hexdigest()[:16] / "cpu_kernels.so"
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    target = _library_path(compiler, flags)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: two processes may build at once
@@ -104,16 +108,31 @@ def _build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
+def _switched_off() -> bool:
+    return os.environ.get("TUICHAT_CPU_KERNELS", "1").lower() in ("0", "off", "false", "no")
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, f"-march={os.environ.get('TUICHAT_CPU_ARCH', 'native')}"]
+
+
+def build_pending() -> bool:
+    """Whether load() will compile first (several seconds, once per machine and version): show progress."""
+    compiler = _compiler()
+    if load.cache_info().currsize or _switched_off() or compiler is None:
+        return False
+    return not _library_path(compiler, _flags()).exists()
+
+
 @functools.cache
 def load() -> tuple[CpuKernels | None, str]:
     """(the kernels or None, a few words on why) — built at most once per process."""
-    if os.environ.get("TUICHAT_CPU_KERNELS", "1").lower() in ("0", "off", "false", "no"):
+    if _switched_off():
         return None, "off (TUICHAT_CPU_KERNELS)"
     compiler = _compiler()
     if compiler is None:
         return None, "torch (no C compiler to build tuichat's kernels)"
-    arch = os.environ.get("TUICHAT_CPU_ARCH", "native")
-    flags = [*_FLAGS, f"-march={arch}"]
+    flags = _flags()
     try:
         library = ctypes.CDLL(str(_build(compiler, flags)))
         if library.amx_enable() != 0:  # the CPU has AMX but the kernel won't hand it to this process

@@ -41,7 +41,7 @@ def resolve_dtype(option: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and native_bf16 else torch.float32
 
 
-def _report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:
+def report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:
     if progress is not None:
         progress(what, fraction)
 
@@ -87,10 +87,10 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     try:
         # float32 keeps the dequantized weights exact; the requested dtype is applied at load time.
         # Most of the time goes to transformers reading the GGUF's metadata, with no progress to report.
-        _report(progress, f"Reading {gguf.name} (first use only, ~20 s)", None)
+        report(progress, f"Reading {gguf.name} (first use only, ~20 s)", None)
         with _dequantize_progress(progress, model.name):
             weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        _report(progress, f"Saving converted {model.name}", 0.9)
+        report(progress, f"Saving converted {model.name}", 0.9)
         # The weights are plain float32 tensors now; drop the GGUF marker that makes transformers refuse
         # to serialize them.
         weights.hf_quantizer = None
@@ -104,7 +104,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise BackendError(f"Could not convert {gguf}: {exc}") from exc
-    _report(progress, f"Converted {model.name} in {time.monotonic() - started:.1f} s", 1.0)
+    report(progress, f"Converted {model.name} in {time.monotonic() - started:.1f} s", 1.0)
     return target
 
 
@@ -120,7 +120,7 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
-    _report(progress, f"Loading {model.name}", None)
+    report(progress, f"Loading {model.name}", None)
     kwargs = {"dtype": dtype}
     if device_map:
         kwargs["device_map"] = device_map
@@ -135,7 +135,7 @@ def load(
     if not device_map:
         weights.to(device)
     weights.eval()
-    _report(progress, f"Loaded {model.name}", 1.0)
+    report(progress, f"Loaded {model.name}", 1.0)
     return weights, tokenizer
 
 
