@@ -59,11 +59,6 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    vf v = splat(f);
-    return to_bf16(v)[0];
-}
-
 /* Lane sum and lane max, by halving: a fixed order, and ~log2(LANES) steps instead of LANES. */
 #if LANES == 16
 #define HALVES(v, op)                                                                                        \
