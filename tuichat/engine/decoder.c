@@ -81,12 +81,14 @@ static inline long slot_at(const int32_t *table, int block_size, int j) {
 #define AHEAD 64  /* positions */
 
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
- * row's first n positions, rounded once to bf16. Scores come from AMX: 16 keys of one cache block are one A
- * tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B tile; two blocks go
- * at once, so one block's multiply hides the other's latency. Softmax and the weighted sum of values run in
- * fp32. Every row, decode or prefill, alone or in a batch, takes this same path: that is what keeps a reply
- * independent of batching and chunking. Needs attention_tiles(); work: 2 * group * (n rounded up to 32)
- * floats. Always inlined into attend(), which fixes group and dim so the accumulators live in registers. */
+ * row's first n positions, rounded once to bf16. With AMX the scores come from tiles: 16 keys of one cache
+ * block are one A tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B
+ * tile; two blocks go at once, so one block's multiply hides the other's latency (needs attention_tiles()).
+ * Without AMX, one vector dot product per key and head. Softmax and the weighted sum of values run in fp32.
+ * Every row, decode or prefill, alone or in a batch, takes this same path: that is what keeps a reply
+ * independent of batching and chunking. work: 2 * group * (n rounded up to 32) floats. Always inlined into
+ * attend(), which fixes group and dim so that the accumulators live in registers; each of those 16 shapes
+ * costs compile time (~6 s for the first build), which is paid once per machine. */
 static inline __attribute__((always_inline)) void attend_shape(
         const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         int block_size, int n, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work) {

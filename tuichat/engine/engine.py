@@ -101,7 +101,8 @@ class Engine:
             kernel = None
             if self.device.type == "cpu" and self.dtype is torch.bfloat16:
                 kernel, self.matmul = cpu_kernel.load()
-            # transformers' layers take our linear only where it is measured faster than torch's: AMX.
+            # transformers' layers take our linear only where it beat torch's at every row count measured:
+            # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
             speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
             if kernel is not None and config.tp == 1:
                 why_not = native.unsupported_reason(model, kernel)

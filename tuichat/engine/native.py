@@ -2,8 +2,9 @@
 through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops.
 
 transformers still does what is one op per step anyway: the embedding lookup, the rotary cos/sin (so every
-RoPE variant it knows keeps working) and the final norm; the lm_head goes through our linear. Longer steps, other architectures,
-other dtypes and devices keep the transformers path of runner.py; both read and write the same paged cache.
+RoPE variant it knows keeps working) and the final norm; the lm_head goes through our linear. Longer steps,
+other architectures, other dtypes and devices keep the transformers path of runner.py; both read and write
+the same paged cache.
 """
 
 from __future__ import annotations
