@@ -186,3 +186,57 @@ def test_a_plan_outside_the_cache_is_an_error_not_a_crash(kernels):
         engine.runner.execute([StepChunk([1], 40, [0, 1], True)])  # position 40 needs a third block
     assert engine.runner.execute([StepChunk([1, 2, 3], 0, [7], True)]).shape[0] == 1
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(embedded, session_cache):
+    """The embedded model in bf16 (SmolLM2: 3 query heads per KV head, head_dim 64, one of decoder.c's
+    compiled-in shapes, which the tiny models above do not reach), float32 greedy continuations of three chat
+    prompts with the float32 logits along them, and the prompts."""
+    from tuichat.engine import loader
+
+    resolved, _, reference, tokenizer = embedded
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    try:
+        model, _ = loader.load(resolved, torch.device("cpu"), torch.bfloat16, with_tokenizer=False)
+    finally:
+        patch.undo()
+    chats = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]) for c in chats]
+    continuations = []  # each prompt with its 12-token float32 greedy continuation, and the logits along it
+    with torch.inference_mode():
+        for prompt in prompts:
+            full = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+            continuations.append((prompt, full, reference(torch.tensor([full])).logits[0, len(prompt) - 1:-1]))
+    return model, continuations, prompts
+
+
+def test_embedded_model_replies_do_not_depend_on_batching(kernels, smollm2_bf16):
+    model, _, prompts = smollm2_bf16
+    engine = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False))
+    assert engine.layers == "C"
+    expected = [greedy(engine, [p], tokens=10)[0] for p in prompts]
+    engine.close()
+    busy = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=16))
+    assert greedy(busy, prompts, tokens=10) == expected
+    busy.close()
+
+
+def test_embedded_model_is_as_close_to_float32_as_transformers_bf16(kernels, smollm2_bf16):
+    model, continuations, _ = smollm2_bf16
+    engine = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False))
+    errors = {}
+    for path in ("C", "transformers"):
+        engine.runner.native = engine.runner.native if path == "C" else None
+        total = []
+        for prompt, full, want in continuations:
+            table = list(range(8))
+            got = [engine.runner.execute([StepChunk(prompt, 0, table, True)])]
+            got += [engine.runner.execute([StepChunk([full[i]], i, table, True)]) for i in range(len(prompt), len(full) - 1)]
+            total.append((torch.cat(got) - want).abs().mean())
+        errors[path] = torch.stack(total).mean()
+    assert errors["C"] <= 1.5 * errors["transformers"], errors
+    engine.close()
