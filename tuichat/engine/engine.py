@@ -19,7 +19,7 @@ from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine import attention, cpu_kernel, native
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
-from tuichat.engine.kv_cache import BlockManager, KVCache
+from tuichat.engine.kv_cache import BlockManager, KVCache, ModelShape
 from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner
 from tuichat.engine.sampler import make_generator, sample
@@ -37,14 +37,6 @@ class EngineConfig:
     prefix_cache: bool = True
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
-
-
-def _model_dims(config) -> tuple[int, int, int, int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, heads, kv_heads, head_dim
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -71,7 +63,8 @@ class Engine:
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        num_layers, _, kv_heads, head_dim = _model_dims(model.config)
+        shape = ModelShape.of(model.config)
+        num_layers, kv_heads, head_dim = shape.layers, shape.kv_heads, shape.head_dim
         local_kv_heads = kv_heads // config.tp  # each rank caches only its own heads
         num_blocks = config.num_blocks or self._default_num_blocks(num_layers, local_kv_heads, head_dim)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_cache)

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from tuichat.backend import BackendError
 from tuichat.engine.fusion import linear
-from tuichat.engine.kv_cache import KVCache
+from tuichat.engine.kv_cache import KVCache, ModelShape
 from tuichat.engine.runner import ModelRunner, StepChunk
 
 _COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -63,13 +63,11 @@ def _column_split(linear: nn.Linear, rank: int, world: int) -> None:
 
 
 def check_shardable(config, world: int) -> None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % world or kv_heads % world or text.intermediate_size % world:
+    shape = ModelShape.of(config)
+    if shape.heads % world or shape.kv_heads % world or shape.intermediate % world:
         raise BackendError(
-            f"--tp {world} does not divide this model: {heads} attention heads, {kv_heads} KV heads, "
-            f"MLP width {text.intermediate_size}. Pick a TP size that divides all three."
+            f"--tp {world} does not divide this model: {shape.heads} attention heads, {shape.kv_heads} KV heads, "
+            f"MLP width {shape.intermediate}. Pick a TP size that divides all three."
         )
 
 
