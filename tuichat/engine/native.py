@@ -14,22 +14,20 @@ import ctypes
 import torch
 
 from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
-from tuichat.engine.kv_cache import KVCache
+from tuichat.engine.kv_cache import KVCache, ModelShape
+from tuichat.engine.runner import flatten
 
 # Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
 # RMSNorm, SiLU-gated MLP, residual. Qwen3 (q/k norms) or Gemma (scaled embeddings, other norms) are not.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
     """Why decoder.c can't run this model (None: it can). Expects speed_up_linears to have run."""
     if kernel is None:
         return "no CPU kernels"
-    config = _text_config(model.config)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shape = ModelShape.of(config)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"{config.model_type} layers are not implemented in C"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -40,11 +38,10 @@ def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
         return "sliding-window attention"
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "layers split over devices"
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
     if head_dim % 32 or head_dim > 128 or heads % kv_heads or heads // kv_heads > 8:
         return f"head shape {heads}x{head_dim} over {kv_heads} KV heads"
-    if config.hidden_size % 32 or config.intermediate_size % 32:
+    if shape.hidden % 32 or shape.intermediate % 32:
         return "hidden or intermediate size not a multiple of 32"
     for layer in model.model.layers:
         linears = [getattr(layer.self_attn, "fused_q_k_v", None), layer.self_attn.o_proj,
@@ -56,13 +53,9 @@ def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
 
 class NativeDecoder:
     def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels) -> None:
-        config = _text_config(model.config)
         self.model = model
         self.block_size = block_size
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.width, self.inter = config.hidden_size, config.intermediate_size
+        self.shape = ModelShape.of(model.config)
         layers = model.model.layers
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.scale = layers[0].self_attn.scaling
@@ -99,19 +92,12 @@ class NativeDecoder:
     @torch.inference_mode()
     def execute(self, chunks) -> torch.Tensor | None:
         """Same contract as ModelRunner.execute: float32 logits of the sampling chunks, in order, or None."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        table_offsets: list[int] = []
+        tokens, positions, sample_rows = flatten(chunks)
+        table_offsets: list[int] = []  # per row: where its sequence's block table starts in `tables`
         tables: list[int] = []
-        sample_rows: list[int] = []
         for chunk in chunks:
-            length = len(chunk.token_ids)
-            table_offsets += [len(tables)] * length
+            table_offsets += [len(tables)] * len(chunk.token_ids)
             tables += chunk.block_table
-            tokens += chunk.token_ids
-            positions += range(chunk.start, chunk.start + length)
-            if chunk.samples:
-                sample_rows.append(len(tokens) - 1)
         model = self.model.model
         hidden = model.embed_tokens(torch.tensor(tokens))  # a fresh tensor: decoder.c updates it in place
         position_ids = torch.tensor(positions)
@@ -119,10 +105,12 @@ class NativeDecoder:
         position_ids = position_ids.int()
         table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
         tables_t = torch.tensor(tables, dtype=torch.int32)
+        shape = self.shape
         status = self._fn(
             hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), position_ids.data_ptr(), table_offsets_t.data_ptr(),
-            tables_t.data_ptr(), len(tables), self.num_blocks, len(tokens), self._layers.data_ptr(), len(model.layers), self.width, self.heads,
-            self.kv_heads, self.head_dim, self.inter, self.block_size, self.eps, self.scale, torch.get_num_threads(),
+            tables_t.data_ptr(), len(tables), self.num_blocks, len(tokens), self._layers.data_ptr(), len(model.layers),
+            shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, self.block_size, self.eps,
+            self.scale, torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"decoder_forward failed ({status}) for {len(tokens)} rows")

@@ -32,6 +32,20 @@ class StepChunk:
         return is_decode(self.start, len(self.token_ids))
 
 
+def flatten(chunks: list[StepChunk]) -> tuple[list[int], list[int], list[int]]:
+    """The step as one row: every chunk's token ids and positions in order, and the rows whose logits are
+    sampled (each sampling chunk's last)."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    for chunk in chunks:
+        token_ids += chunk.token_ids
+        positions += range(chunk.start, chunk.start + len(chunk.token_ids))
+        if chunk.samples:
+            sample_rows.append(len(token_ids) - 1)
+    return token_ids, positions, sample_rows
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVCache, block_size: int, device: torch.device) -> None:
         self.model = model
@@ -49,17 +63,8 @@ class ModelRunner:
 
     def build_context(self, chunks: list[StepChunk]) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
         """`chunks` must list the decodes first (the engine orders them so)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        for chunk in chunks:
-            stop = chunk.start + len(chunk.token_ids)
-            input_ids += chunk.token_ids
-            positions += range(chunk.start, stop)
-            slots += self._slots(chunk.block_table, chunk.start, stop)
-            if chunk.samples:
-                sample_rows.append(len(input_ids) - 1)
+        input_ids, positions, sample_rows = flatten(chunks)
+        slots = [s for c in chunks for s in self._slots(c.block_table, c.start, c.start + len(c.token_ids))]
         ctx = StepContext(self.kv.k, self.kv.v, self._tensor(slots))
         decodes = [c for c in chunks if c.is_decode]
         if decodes:
