@@ -10,7 +10,6 @@
 #include "kernels.h"
 
 #ifdef __AMX_TILE__
-#include <immintrin.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -18,10 +17,6 @@
 /* Linux hands out AMX state only to processes that ask for it. 0 on success. */
 int amx_enable(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */); }
 
-/* 0, s, 2s, ... 15s: the offsets of one column of a row-major block with s columns. */
-static inline __m512i column_offsets(int s) {
-    return _mm512_mullo_epi32(_mm512_set1_epi32(s), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-}
 
 #define MAX_M 512  /* a CPU step's whole token budget */
 #define CHUNK 16   /* rows per B tile */

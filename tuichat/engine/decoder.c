@@ -18,9 +18,6 @@
 #include <string.h>
 
 #include "kernels.h"
-#ifdef __AMX_TILE__
-#include <immintrin.h>
-#endif
 
 /* transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16, times the weight, rounded. */
 static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps) {
@@ -80,6 +77,17 @@ static inline long slot_at(const int32_t *table, int block_size, int j) {
         for (int b_ = 0; b_ < (dim) * 2; b_ += 64) __builtin_prefetch((const char *)((cache) + ((first) + j_) * (stride)) + b_, 0, level);
 #define AHEAD 64  /* positions */
 
+/* Called as scoring reaches position j0 (a multiple of 32): the K and V of the 32 positions AHEAD further
+ * on (and, at the start, of the first AHEAD as well), values to L2 for the weighted sum that follows. */
+static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head, const int32_t *table,
+                                  int block_size, int n, long stride, int dim, int j0) {
+    for (int ahead = j0 == 0 ? 0 : j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
+        long first = slot_at(table, block_size, ahead);
+        PREFETCH_BLOCK(k_head, first, stride, dim, 3)
+        PREFETCH_BLOCK(v_head, first, stride, dim, 2)
+    }
+}
+
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
  * row's first n positions, rounded once to bf16. With AMX the scores come from tiles: 16 keys of one cache
  * block are one A tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B
@@ -96,13 +104,6 @@ static inline __attribute__((always_inline)) void attend_shape(
     int padded = (n + 31) / 32 * 32;
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
     const uint16_t *k_head = k_cache + (long)kv_head * dim, *v_head = v_cache + (long)kv_head * dim;
-    for (int j0 = 0; j0 < n; j0 += 32) {
-        for (int ahead = j0 == 0 ? 0 : j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
-            long first = slot_at(table, block_size, ahead);
-            PREFETCH_BLOCK(k_head, first, stride, dim, 3)
-            PREFETCH_BLOCK(v_head, first, stride, dim, 2)  /* in L2 by the time the values are summed */
-        }
-    }
 #ifdef __AMX_TILE__
     uint32_t pairs[4][16][8];  /* per 32 dims: [pair][head] = (q[2i], q[2i+1]); dim <= 128, group <= 8 */
     for (int c = 0; c < dim / 32; c++)
@@ -110,6 +111,7 @@ static inline __attribute__((always_inline)) void attend_shape(
             for (int h = 0; h < group; h++) memcpy(&pairs[c][i][h], q + (long)h * dim + 32 * c + 2 * i, 4);
     float *by_key = work + (long)group * padded;  /* [position][head], as the tiles store them */
     for (int j0 = 0; j0 < n; j0 += 32) {
+        prefetch_ahead(k_head, v_head, table, block_size, n, stride, dim, j0);
         const uint16_t *keys0 = k_head + slot_at(table, block_size, j0) * stride;
         const uint16_t *keys1 = j0 + 16 < n ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
         _tile_zero(0);
@@ -124,7 +126,7 @@ static inline __attribute__((always_inline)) void attend_shape(
         _tile_stored(0, by_key + (long)j0 * group, group * 4);
         _tile_stored(3, by_key + (long)(j0 + 16) * group, group * 4);
     }
-    const __m512i by_head = _mm512_mullo_epi32(_mm512_set1_epi32(group), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i by_head = column_offsets(group);
     for (int h = 0; h < group; h++)
         for (int j0 = 0; j0 < n; j0 += 16)
             _mm512_storeu_ps(work + (long)h * padded + j0,
@@ -134,6 +136,7 @@ static inline __attribute__((always_inline)) void attend_shape(
     for (int h = 0; h < group; h++)
         for (int c = 0; c < chunks; c++) qv[h][c] = load_bf16(q + (long)h * dim + LANES * c);
     for (int j0 = 0; j0 < n; j0 += 16) {
+        if (j0 % 32 == 0) prefetch_ahead(k_head, v_head, table, block_size, n, stride, dim, j0);
         const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
         for (int j = j0; j < n && j < j0 + 16; j++) {
             vf kv[128 / LANES];

@@ -59,18 +59,16 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* Lane sum and lane max, by halving: a fixed order, and ~log2(LANES) steps instead of LANES. */
-#if LANES == 16
-#define HALVES(v, op)                                                                                        \
-    vf8 a8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) op __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+/* The sum of one vector's lanes, by halving: a fixed order, in ~log2(LANES) steps instead of LANES. */
 typedef float vf8 __attribute__((vector_size(32)));
 static inline float hsum(vf v) {
-    HALVES(v, +)
-    return a8[0] + a8[4] + (a8[1] + a8[5]) + (a8[2] + a8[6] + (a8[3] + a8[7]));
-}
+#if LANES == 16
+    vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-static inline float hsum(vf v) { return v[0] + v[4] + (v[1] + v[5]) + (v[2] + v[6] + (v[3] + v[7])); }
+    vf8 h = v;
 #endif
+    return h[0] + h[4] + (h[1] + h[5]) + (h[2] + h[6] + (h[3] + h[7]));
+}
 
 /* The lane sums of LANES vectors at once (lane j: the sum of v[j]) by a transposing tree: ~3 operations per sum
  * where a lone hsum costs ~10. Every v[j] is summed in the same order, whatever its index. */
@@ -126,6 +124,13 @@ static inline vf vexp(vf x) {
 }
 
 #ifdef __AMX_TILE__
+#include <immintrin.h>
+
+/* 0, s, 2s, ... 15s: the offsets of one column of a row-major block with s columns. */
+static inline __m512i column_offsets(int s) {
+    return _mm512_mullo_epi32(_mm512_set1_epi32(s), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
