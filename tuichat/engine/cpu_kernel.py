@@ -87,12 +87,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _library_path(compiler: str, flags: list[str]) -> Path:
+@functools.cache  # a compiler run and the sources' text: once per process, not per lookup
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # -march=native means this CPU: a cache dir shared by two machines must not share the build.
     cpu = " ".join(sorted(cpu_flags()))
     key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, cpu, *flags]).encode())
-    return cache_dir() / "kernels" / key.hexdigest()[:16] / "cpu_kernels.so"
+    return key.hexdigest()[:16]
+
+
+def _library_path(compiler: str, flags: list[str]) -> Path:
+    return cache_dir() / "kernels" / _build_key(compiler, tuple(flags)) / "cpu_kernels.so"
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
