@@ -109,8 +109,10 @@ async def test_earlier_messages_mount_a_page_at_a_time_when_scrolled_to_the_top_
         log.scroll_home(animate=False)  # as the mouse wheel or scrollbar would
         await until(lambda: len(tab._messages()) == WINDOW + PAGE, what="a page by scrolling to the top")
         assert mounted_ids(tab) == [row.id for row in rows[-(WINDOW + PAGE) :]]
-        await pilot.pause()
-        assert log.scroll_y > 0 and first.region.overlaps(log.region)  # the view stayed on the same text
+        # The view stays on the same text (the first region shows it once the scroll is composited).
+        await until(
+            lambda: log.scroll_y > 0 and first.region.overlaps(log.region), what="the view to keep its place"
+        )
         # PageUp in the prompt: up to the top, then once more mounts the next page.
         for _ in range(100):
             tab.prompt.action_scroll_log(-1)
@@ -119,7 +121,8 @@ async def test_earlier_messages_mount_a_page_at_a_time_when_scrolled_to_the_top_
                 break
         assert mounted_ids(tab) == [row.id for row in rows[-(WINDOW + 2 * PAGE) :]]
         assert tab.earlier_count == TOTAL - WINDOW - 2 * PAGE
-        assert f"{tab.earlier_count} earlier messages" in str(tab.query_one(EarlierMessages).render())
+        bar = tab.query_one(EarlierMessages)
+        await until(lambda: f"{tab.earlier_count} earlier messages" in str(bar.render()), what="the ▲ count")
         while tab.earlier_count:
             await tab.show_earlier()
         assert mounted_ids(tab) == [row.id for row in rows]

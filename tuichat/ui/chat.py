@@ -371,13 +371,17 @@ class ChatTab(TabPane):
         await log.mount_all([message.widget() for message in page], after=log.query_one(EarlierMessages))
         self._show_earlier_count()
         if first is not None and log.scroll_y < log.max_scroll_y:  # not following: stay on the same text
-
-            def keep_place() -> None:
-                shift = first.virtual_region.y - top_before
-                log.scroll_to(y=log.scroll_y + shift, animate=False, immediate=True)
-
-            self.call_after_refresh(keep_place)
+            self._keep_place(first, top_before)
         return count
+
+    def _keep_place(self, first: Widget, top_before: int, refreshes: int = 10) -> None:
+        # The page mounted above `first` moves it down only once a layout ran, which under load can take
+        # more than one refresh: scroll by the shift as soon as it shows.
+        shift = first.virtual_region.y - top_before
+        if shift or not refreshes:
+            self.log_view.scroll_to(y=self.log_view.scroll_y + shift, animate=False, immediate=True)
+        else:
+            self.call_after_refresh(self._keep_place, first, top_before, refreshes - 1)
 
     async def _trim(self, room: int) -> None:
         """Before `room` messages are mounted: unmount the oldest ones that would be beyond WINDOW (a new
