@@ -159,9 +159,8 @@ async def test_search_opens_a_hit_far_above_the_window():
         await until(lambda: old.id in mounted_ids(tab), what="the hit mounted")
         widget = tab.query_one(f"#msg-{old.id}")
         await until(lambda: widget.has_class("-found"), what="the hit highlighted")
-        await pilot.pause()
         log = tab.log_view
-        assert log.region.contains_region(widget.region)  # in view
+        await until(lambda: log.region.contains_region(widget.region), what="the hit in view")
         # Mounted from a little above it down to the window, in order, nothing twice.
         assert mounted_ids(tab) == [row.id for row in rows[60 - PAGE // 2 :]]
 
