@@ -150,3 +150,35 @@ def test_unknown_model_is_a_backend_error():
     backend = LocalBackend()
     with pytest.raises(BackendError, match="Unknown model 'nonsense'"):
         asyncio.run(backend.load("nonsense"))
+
+
+def test_a_loaded_model_stays_out_of_the_collectors_walks_until_it_is_evicted(
+    tiny_chat_model, tmp_path, monkeypatch
+):
+    import gc
+    import shutil
+    import weakref
+
+    from tuichat import local
+
+    monkeypatch.setattr(local, "MAX_LOADED_MODELS", 1)
+    second = str(shutil.copytree(tiny_chat_model, tmp_path / "second"))
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        await backend.load()
+        model = backend._loaded[tiny_chat_model].engine.model
+        # Frozen: a full collection (all that gc.get_objects lists) does not walk the model.
+        walked = not all(obj is not model for obj in gc.get_objects())
+        # A reference cycle through the model (as hooks make): once evicted, only the collector frees it.
+        model.__dict__["_cycle"] = [model]
+        gone = weakref.ref(model)
+        del model
+        await backend.load(second)
+        alive = gone() is not None
+        await backend.close()
+        return walked, alive
+
+    walked, alive = asyncio.run(run())
+    assert not walked
+    assert not alive
