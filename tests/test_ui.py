@@ -18,9 +18,9 @@ from tuichat.backend import EngineStats
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui import chat
 from tuichat.ui.chat import AssistantMessage, ChatTab, UserMessage
 from tuichat.ui.demo import VirtualClock
+from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import HelpScreen, ModelPicker, SearchScreen
 from tuichat.ui.widgets import EnginePanel, TtftMeter
 
@@ -562,7 +562,9 @@ async def test_each_chunk_reparses_only_the_last_block(monkeypatch):
         return parse(self, src, env)
 
     monkeypatch.setattr(MarkdownIt, "parse", recording_parse)
-    monkeypatch.setattr(chat, "PAINT_S", 0)  # paint every chunk, as a slow stream would: many parses to look at
+    # Paint every chunk, as a slow stream would: many parses to look at.
+    monkeypatch.setattr(PaintPacer, "SHORTEST", 0)
+    monkeypatch.setattr(PaintPacer, "LONGEST", 0)
     app, _ = make_app(backend)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: "smollm2-135m" in backend.loaded)

@@ -27,6 +27,7 @@ from tuichat.config import Config
 from tuichat.store import ConversationRow, Store
 from tuichat.themes import load_themes
 from tuichat.ui.chat import NEW_TITLE, ChatTab, sampling_key, stored_sampling
+from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import (
     Dialog,
     FilteredList,
@@ -117,6 +118,7 @@ class TuichatApp(App[None]):
         self.config = config
         self.store = store
         self.clock = clock  # tests and screenshots pass a virtual clock so the meter's numbers are fixed
+        self.paint_pacer = PaintPacer()
         self._backend_factory = backend_factory
         self._warnings = list(warnings)
         self.backend: Backend | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
@@ -34,9 +33,6 @@ TITLE_CHARS = 40
 # on demand. Measured (tests/test_ui_long.py): 20 mounted cost about what 2 do, 40 about half as much again.
 WINDOW = 20
 PAGE = 20
-# A streamed chunk changes the reply's height, so painting it lays out the whole screen: at most this often
-# (text then arrives in bursts of a few tokens; the first token is painted at once, for TTFT).
-PAINT_S = 0.05
 
 
 def sampling_key(conversation_id: str) -> str:
@@ -115,7 +111,6 @@ class AssistantMessage(Vertical):
         self.error = error
         self._stream: MarkdownStream | None = None
         self._unpainted: list[str] = []  # streamed chunks not yet given to the Markdown widget
-        self._painted_at = 0.0  # time.monotonic() of the last paint
         self._paint_timer: Timer | None = None
 
     def compose(self):
@@ -141,15 +136,15 @@ class AssistantMessage(Vertical):
         self.query_one(".role", Static).update(model)
 
     async def append(self, text: str, *, paint: bool = True) -> None:
-        """Add a chunk. It is painted at once if the last paint is PAINT_S old, else by a timer, with
-        whatever else arrives meanwhile; `paint=False` (a hidden tab) keeps it until `paint()`. Each
-        paint re-parses only the last block (MarkdownStream), so a token costs the same at the end of a
-        long reply as at the start."""
+        """Add a chunk. It is painted at once if the app's paint pacer says a paint is due, else by a
+        timer, with whatever else arrives meanwhile; `paint=False` (a hidden tab) keeps it until `paint()`.
+        Each paint re-parses only the last block (MarkdownStream), so a token costs the same at the end of
+        a long reply as at the start."""
         self._chunks.append(text)
         self._unpainted.append(text)
         if not paint or self._paint_timer is not None:
             return
-        wait = PAINT_S - (time.monotonic() - self._painted_at)
+        wait = self.app.paint_pacer.wait()
         if wait <= 0:
             await self.paint()
         else:
@@ -170,7 +165,7 @@ class AssistantMessage(Vertical):
             return
         text = "".join(self._unpainted)
         self._unpainted.clear()
-        self._painted_at = time.monotonic()
+        self.app.paint_pacer.painted()
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)

@@ -210,8 +210,10 @@ class TtftMeter(Horizontal):
         turn.t_last = now
         turn.chunks += 1
         turn.tokens = max(completion_tokens, turn.chunks)
-        # At hundreds of tokens/s, redrawing per token would cost more than the frames can show.
-        if turn.t_first is not None and time.monotonic() - self._drawn_at >= REDRAW_S:
+        # At hundreds of tokens/s, redrawing per token would cost more than the frames can show; and no
+        # more often than the reply itself is painted (measured: 20 redraws/s took 6 % of a core).
+        every = max(REDRAW_S, self.app.paint_pacer.pause)
+        if turn.t_first is not None and time.monotonic() - self._drawn_at >= every:
             self._redraw()
 
     def finish(self, usage: Usage | None) -> None:
