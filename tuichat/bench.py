@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import importlib.util
 import json
 import math
@@ -57,6 +56,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from tuichat import catalog
 from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.engine.heap import settle_heap
 from tuichat.local import chat_ids
 
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference")
@@ -446,7 +446,7 @@ class _Tuichat:
     def __exit__(self, *exc: Any) -> None:
         asyncio.run(self.backend.close())
         self.backend = None
-        gc.collect()
+        settle_heap()  # collect what was closed; freeze what stays
 
 
 async def run_tabs(backend, conversations: Sequence[Sequence[Message]], params: SamplingParams, stagger_s: float,
@@ -650,7 +650,7 @@ class HFPeer:
 
     def close(self) -> None:
         self.model = None
-        gc.collect()
+        settle_heap()  # collect what was closed; freeze what stays
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
@@ -707,7 +707,7 @@ class LlamaCppPeer:
         if close is not None:
             close()
         self.llm = None
-        gc.collect()
+        settle_heap()  # collect what was closed; freeze what stays
 
 
 # -- memory bandwidth and the floor ------------------------------------------------------------------------------------

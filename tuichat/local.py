@@ -11,7 +11,6 @@ torch is imported lazily, in `load`, so that importing this module costs nothing
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -112,13 +111,6 @@ class LocalBackend:
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
             engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
             engine.start()
-            # The model's, torch's and transformers' objects live as long as the model; left in the
-            # collector's care, every full collection walks them all with the GIL held: 260-300 ms, three
-            # times in a 512-token reply in the TUI, each a stall of the engine and the screen. Frozen:
-            # 16-24 ms. Unfrozen first, so that a model evicted above can be collected.
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
             self._loaded[resolved.name] = _Loaded(
                 engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic()
             )

@@ -15,6 +15,7 @@ import torch
 from tuichat.backend import BackendError, ProgressCallback
 from tuichat.catalog import ResolvedModel
 from tuichat.engine.cpu_kernel import cpu_flags
+from tuichat.engine.heap import settle_heap
 
 _DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an interrupted conversion
 
@@ -135,6 +136,7 @@ def load(
     if not device_map:
         weights.to(device)
     weights.eval()
+    settle_heap()
     report(progress, f"Loaded {model.name}", 1.0)
     return weights, tokenizer
 
