@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from textual import events
 from textual.containers import Vertical, VerticalScroll
@@ -13,7 +13,6 @@ from textual.content import Content
 from textual.css.query import NoMatches
 from textual.message import Message as UIMessage
 from textual.timer import Timer
-from textual.widget import Widget
 from textual.widgets import Markdown, Static, TabbedContent, TabPane
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 from textual.worker import Worker, WorkerState
@@ -366,17 +365,22 @@ class ChatTab(TabPane):
         await log.mount_all([message.widget() for message in page], after=log.query_one(EarlierMessages))
         self._show_earlier_count()
         if first is not None and log.scroll_y < log.max_scroll_y:  # not following: stay on the same text
-            self._keep_place(first, top_before)
+            # The page pushes `first` down by its height: scroll by as much.
+            self._after_layout(
+                lambda: first.virtual_region.y != top_before,
+                lambda: log.scroll_to(
+                    y=log.scroll_y + first.virtual_region.y - top_before, animate=False, immediate=True
+                ),
+            )
         return count
 
-    def _keep_place(self, first: Widget, top_before: int, refreshes: int = 10) -> None:
-        # The page mounted above `first` moves it down only once a layout ran, which under load can take
-        # more than one refresh: scroll by the shift as soon as it shows.
-        shift = first.virtual_region.y - top_before
-        if shift or not refreshes:
-            self.log_view.scroll_to(y=self.log_view.scroll_y + shift, animate=False, immediate=True)
+    def _after_layout(self, laid_out: Callable[[], bool], then: Callable[[], object], refreshes: int = 10) -> None:
+        # Widgets just mounted have no place until a layout, which can take a refresh or two (more under
+        # load): `then` runs once `laid_out` says so, or after `refreshes` refreshes at most.
+        if laid_out() or not refreshes:
+            then()
         else:
-            self.call_after_refresh(self._keep_place, first, top_before, refreshes - 1)
+            self.call_after_refresh(self._after_layout, laid_out, then, refreshes - 1)
 
     async def _trim(self, room: int) -> None:
         """Before `room` messages are mounted: unmount the oldest ones that would be beyond WINDOW (a new
@@ -420,14 +424,10 @@ class ChatTab(TabPane):
         widget.add_class("-found")
         self.set_timer(3, lambda: widget.remove_class("-found"))
         self.log_view.release_anchor()  # or the next layout scrolls back to the bottom
-        self._center(widget)
-
-    def _center(self, widget: Widget, refreshes: int = 10) -> None:
-        # A page just mounted has no place until a layout, which can take a refresh or two.
-        if widget.virtual_region.size or not refreshes:
-            self.log_view.scroll_to_center(widget, animate=False, immediate=True)
-        else:
-            self.call_after_refresh(self._center, widget, refreshes - 1)
+        self._after_layout(
+            lambda: bool(widget.virtual_region.size),
+            lambda: self.log_view.scroll_to_center(widget, animate=False, immediate=True),
+        )
 
     async def on_prompt_scroll_log(self, event: Prompt.ScrollLog) -> None:
         # A user scroll: scrolling up stops following new text, reaching the bottom resumes it.
