@@ -191,8 +191,9 @@ def test_a_plan_outside_the_cache_is_an_error_not_a_crash(kernels):
 @pytest.fixture(scope="module")
 def smollm2_bf16(embedded, session_cache):
     """The embedded model in bf16 (SmolLM2: 3 query heads per KV head, head_dim 64, one of decoder.c's
-    compiled-in shapes, which the tiny models above do not reach), float32 greedy continuations of three chat
-    prompts with the float32 logits along them, and the prompts."""
+    compiled-in shapes, which the tiny models above do not reach), float32 greedy continuations of ten chat
+    prompts with the float32 logits along them, and the prompts. Ten prompts of 24 tokens, because bf16 noise
+    alone moves a mean error over three prompts of 12 by ±40 % between two builds that compute the same thing."""
     from tuichat.engine import loader
 
     resolved, _, reference, tokenizer = embedded
@@ -202,20 +203,24 @@ def smollm2_bf16(embedded, session_cache):
         model, _ = loader.load(resolved, torch.device("cpu"), torch.bfloat16, with_tokenizer=False)
     finally:
         patch.undo()
-    chats = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits."]
+    chats = ["What is the capital of France?", "Write a haiku about the sea.", "List three fruits.",
+             "Explain photosynthesis briefly.", "How do I reverse a list in Python?", "Tell me a joke about cats.",
+             "What is 17 times 23?", "Name the planets of the solar system.", "Why is the sky blue?",
+             "Translate 'good morning' into Spanish."]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                   return_dict=True)["input_ids"]) for c in chats]
-    continuations = []  # each prompt with its 12-token float32 greedy continuation, and the logits along it
+    continuations = []  # each prompt with its 24-token float32 greedy continuation, and the logits along it
     with torch.inference_mode():
         for prompt in prompts:
             full = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+                                      max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
             continuations.append((prompt, full, reference(torch.tensor([full])).logits[0, len(prompt) - 1:-1]))
     return model, continuations, prompts
 
 
 def test_embedded_model_replies_do_not_depend_on_batching(kernels, smollm2_bf16):
     model, _, prompts = smollm2_bf16
+    prompts = prompts[:3]
     engine = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False))
     assert engine.layers == "C"
     expected = [greedy(engine, [p], tokens=10)[0] for p in prompts]
