@@ -16,12 +16,12 @@ from typing import Callable
 import torch
 
 from tuichat.backend import BackendError, SamplingParams
-from tuichat.engine import attention, cpu_kernel, native
+from tuichat.engine import attention, cpu_kernel, families, native
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache, ModelShape
 from tuichat.engine.request import RequestOutput, Sequence, Status
-from tuichat.engine.runner import ModelRunner
+from tuichat.engine.runner import ModelRunner, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import Scheduler
 
@@ -62,8 +62,13 @@ class Engine:
         self.name = name
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
-        self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        text_config = families.text_config(model.config)
+        what = f"{name} ({getattr(text_config, 'model_type', 'unknown')})"
+        if (why := families.unsupported(model.config)) is not None:
+            raise BackendError(f"tuichat cannot run {what}: {why}.")
+        self.max_model_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         shape = ModelShape.of(model.config)
+        self.attention = self._inspect_attention(model, shape, what)
         num_layers, kv_heads, head_dim = shape.layers, shape.kv_heads, shape.head_dim
         local_kv_heads = kv_heads // config.tp  # each rank caches only its own heads
         num_blocks = config.num_blocks or self._default_num_blocks(num_layers, local_kv_heads, head_dim)
@@ -98,13 +103,16 @@ class Engine:
             # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
             speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
             if kernel is not None and config.tp == 1:
-                why_not = native.unsupported_reason(model, kernel)
+                why_not = native.unsupported_reason(model, kernel, self.attention)
                 if why_not is None:
-                    self.runner.native = native.NativeDecoder(model, self.kv, config.block_size, kernel)
-                    self.layers = "C"
-                else:
+                    try:
+                        self.runner.native = native.NativeDecoder(model, self.kv, config.block_size, kernel)
+                        self.layers = "C"
+                    except ValueError as exc:
+                        why_not = str(exc)
+                if why_not is not None:
                     self.layers = f"transformers ({why_not})"
-        model.set_attn_implementation(attention.register())
+        self._check_serving_path(what)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -114,6 +122,43 @@ class Engine:
         # Metrics.
         self.last_batch_size = 0
         self._generated: deque[tuple[float, int]] = deque()
+
+    @staticmethod
+    def _inspect_attention(model, shape: ModelShape, what: str) -> attention.ModelAttention:
+        """Switch the model to paged attention and learn each layer's kind; refuse what we cannot run exactly."""
+        try:
+            model.set_attn_implementation(attention.register())
+            found = attention.inspect(model, shape.layers)
+        except (attention.UnsupportedAttention, ValueError) as exc:
+            raise BackendError(f"tuichat cannot run {what} faithfully: {exc}.") from None
+        if (found.heads, found.kv_heads, found.head_dim) != (shape.heads, shape.kv_heads, shape.head_dim):
+            raise BackendError(
+                f"tuichat cannot run {what} faithfully: its attention runs {found.heads} heads over {found.kv_heads} "
+                f"KV heads of size {found.head_dim}, but its config says {shape.heads} over {shape.kv_heads} of "
+                f"{shape.head_dim}."
+            )
+        return found
+
+    def _check_serving_path(self, what: str) -> None:
+        """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that
+        reads it back from the cache, a decode. The last logits must be the probe's plain forward's. This is
+        where what attention cannot show surfaces: state kept outside the KV cache (a recurrent or state-space
+        layer beside attention) would make the pieces disagree with the whole."""
+        ids = self.attention.token_ids
+        table = list(range(self.blocks.blocks_for(len(ids))))
+        if len(table) > self.blocks.num_blocks:
+            return  # a pool this small is a test's; nothing is served from it anyway
+        cuts = [0, len(ids) - 3, len(ids) - 1, len(ids)]
+        for a, b in zip(cuts, cuts[1:]):
+            logits = self.runner.execute([StepChunk(ids[a:b], a, table, b == len(ids))])
+        want = self.attention.logits.to(logits.device)
+        error = float((logits[0] - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        # Rounding alone: float32 differs in the last bits (~1e-6); bf16 steps by ~1 % of the range.
+        if error > (1e-4 if self.dtype is torch.float32 else 0.05):
+            raise BackendError(
+                f"tuichat cannot run {what} faithfully: served in pieces through its KV cache, it does not reproduce "
+                f"its own plain forward (off by {error:.0%} of the logit range). It may keep state outside attention."
+            )
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _default_num_blocks(self, num_layers: int, kv_heads: int, head_dim: int) -> int:

@@ -14,6 +14,7 @@ import ctypes
 import torch
 
 from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
+from tuichat.engine.attention import ModelAttention
 from tuichat.engine.kv_cache import KVCache, ModelShape
 from tuichat.engine.runner import flatten
 
@@ -22,8 +23,9 @@ from tuichat.engine.runner import flatten
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
-    """Why decoder.c can't run this model (None: it can). Expects speed_up_linears to have run."""
+def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttention) -> str | None:
+    """Why decoder.c can't run this model (None: it can). Expects speed_up_linears to have run; `attention` is
+    what attention.inspect found."""
     if kernel is None:
         return "no CPU kernels"
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -32,10 +34,13 @@ def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
         return f"{config.model_type} layers are not implemented in C"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    if any(layer.window is not None for layer in attention.layers):
         return "sliding-window layers"
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-        return "sliding-window attention"
+    if any(layer.softcap is not None for layer in attention.layers):
+        return "softcapped attention"
+    rotary_width = _rotary_width(model)
+    if rotary_width != shape.head_dim:
+        return f"rotary embedding over {rotary_width} of {shape.head_dim} head dims"
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "layers split over devices"
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -49,6 +54,21 @@ def unsupported_reason(model, kernel: CpuKernels | None) -> str | None:
         if any(l is None or not CpuKernels.fits(l.weight, l.bias) for l in linears):
             return "a linear our kernel does not take"
     return None
+
+
+def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(tensor.shape) != shape or tensor.dtype is not torch.bfloat16 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(
+            f"decoder.c needs {what} as a contiguous bf16 CPU tensor of shape {shape}, got "
+            f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
+        )
+
+
+def _rotary_width(model) -> int:
+    """How many dims transformers' rotary tables cover (a partial rotary factor makes it less than head_dim)."""
+    probe = torch.zeros(1, 1, dtype=model.dtype)
+    cos, _ = model.model.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
+    return cos.shape[-1]
 
 
 class NativeDecoder:
@@ -71,17 +91,26 @@ class NativeDecoder:
         def address(tensor: torch.Tensor | None) -> int:
             return 0 if tensor is None else tensor.data_ptr()
 
+        if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
+               or l.self_attn.scaling != self.scale for l in layers):
+            raise ValueError("decoder.c takes one norm epsilon and one attention scale for all layers")
+        s = self.shape
+        qkv, cache = (s.heads + 2 * s.kv_heads) * s.head_dim, (self.num_blocks * block_size, s.kv_heads, s.head_dim)
         addresses = []
-        for i, layer in enumerate(layers):  # the order of decoder.c's enum
+        for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
-            addresses += [
-                layer.input_layernorm.weight, attn.fused_q_k_v.weight, attn.fused_q_k_v.bias, attn.o_proj.weight,
-                attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.fused_gate_up.weight,
-                mlp.fused_gate_up.bias, mlp.down_proj.weight, mlp.down_proj.bias, kv.k[i], kv.v[i],
+            expected = [
+                (layer.input_layernorm.weight, (s.hidden,)), (attn.fused_q_k_v.weight, (qkv, s.hidden)),
+                (attn.fused_q_k_v.bias, (qkv,)), (attn.o_proj.weight, (s.hidden, s.heads * s.head_dim)),
+                (attn.o_proj.bias, (s.hidden,)), (layer.post_attention_layernorm.weight, (s.hidden,)),
+                (mlp.fused_gate_up.weight, (2 * s.intermediate, s.hidden)), (mlp.fused_gate_up.bias, (2 * s.intermediate,)),
+                (mlp.down_proj.weight, (s.hidden, s.intermediate)), (mlp.down_proj.bias, (s.hidden,)),
+                (kv.k[i], cache), (kv.v[i], cache),
             ]
-        for tensor in addresses:
-            if tensor is not None and not (tensor.is_contiguous() and tensor.dtype is torch.bfloat16):
-                raise ValueError("decoder.c needs contiguous bf16 parameters and cache")
+            for tensor, shape in expected:
+                if tensor is not None:
+                    _check(tensor, shape, f"layer {i}")
+            addresses += [tensor for tensor, _ in expected]
         # The parameters and the cache never move after this, so their addresses are taken once.
         self._layers = torch.tensor([address(t) for t in addresses], dtype=torch.uint64)
 
@@ -106,6 +135,10 @@ class NativeDecoder:
         table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
         tables_t = torch.tensor(tables, dtype=torch.int32)
         shape = self.shape
+        # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
+        _check(hidden, (len(tokens), shape.hidden), "hidden states")
+        _check(cos, (len(tokens), shape.head_dim), "rotary cos")
+        _check(sin, (len(tokens), shape.head_dim), "rotary sin")
         status = self._fn(
             hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), position_ids.data_ptr(), table_offsets_t.data_ptr(),
             tables_t.data_ptr(), len(tables), self.num_blocks, len(tokens), self._layers.data_ptr(), len(model.layers),

@@ -73,19 +73,13 @@ class ModelRunner:
             padded = [self._slots(c.block_table, 0, n) + [0] * (longest - n) for c, n in zip(decodes, lengths)]
             ctx.num_decode = len(decodes)
             ctx.decode_slots = self._tensor(padded)
-            if min(lengths) < longest:  # equal lengths (one tab, say) need no mask: SDPA's fastest path
-                ctx.decode_mask = (
-                    torch.arange(longest, device=self.device)[None, :] < self._tensor(lengths)[:, None]
-                )[:, None, None, :]
+            ctx.decode_lengths = lengths
         offset = len(decodes)
         for chunk in chunks[len(decodes) :]:
             length = len(chunk.token_ids)
-            span = PrefillSpan(offset, length, chunk.start)
+            span = PrefillSpan(offset, length, chunk.start, self.device)
             if chunk.start > 0:
-                total = chunk.start + length
-                span.context_slots = self._tensor(self._slots(chunk.block_table, 0, total))
-                query_pos = torch.arange(chunk.start, total, device=self.device)
-                span.mask = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
+                span.block_slots = self._tensor(self._slots(chunk.block_table, 0, chunk.start + length))
             ctx.prefills.append(span)
             offset += length
         return self._tensor([input_ids]), self._tensor([positions]), ctx, sample_rows

@@ -1,0 +1,36 @@
+"""The model families tuichat serves: those whose greedy output its conformance matrix (tests/test_families.py)
+proves identical to transformers' `generate` under batching, chunking, prefix caching and preemption. Any other
+family is refused by name before its weights load, even one that might work: a family nobody checked is one
+that may say something else than the model would.
+
+At load, attention.inspect and the engine's serving-path check verify the model itself as well, which catches
+variants of a listed family (a Qwen2 config with sliding windows, say) and what a config cannot show.
+"""
+
+from __future__ import annotations
+
+VERIFIED = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+    "starcoder2", "cohere",
+)
+
+# Layer kinds of transformers' `config.layer_types` that paged attention computes exactly.
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def text_config(config):
+    """The language model's config of a composite (multimodal) one; the config itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def unsupported(config) -> str | None:
+    """Why tuichat refuses a model of this config (None: it does not). Cheap: no weights needed."""
+    text = text_config(config)
+    family = getattr(text, "model_type", None) or "unknown"
+    if family not in VERIFIED:
+        return (f"the {family} family is not one tuichat has verified to give transformers' own answers "
+                f"(verified: {', '.join(VERIFIED)})")
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - _ATTENTION_LAYERS)
+    if other:
+        return f"it has {', '.join(other)} layers, which tuichat's paged attention does not compute"
+    return None
