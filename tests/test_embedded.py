@@ -69,7 +69,16 @@ def test_stop_matcher_never_shows_a_stop_string():
     assert matcher.feed("a ST")[0] == "a " and matcher.feed("ar")[0] == "STar" and matcher.flush() == ""
 
 
+def template_ids(tokenizer, messages) -> list[int]:
+    """transformers' own chat template, tokenized by transformers: what a plain `generate` user would run."""
+    out = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def test_multi_turn_conversation_hits_the_cache_and_matches_generate(embedded):
+    """Each turn's prompt is built from the last turn's real ids (the fast path), and is exactly the prompt
+    transformers' chat template gives for the same messages; the reply is `generate`'s on that prompt."""
     _, _, reference, tokenizer = embedded
     backend = LocalBackend(EngineOptions(dtype="float32"))
 
@@ -81,16 +90,19 @@ def test_multi_turn_conversation_hits_the_cache_and_matches_generate(embedded):
         return "".join(text), last.usage
 
     async def conversation():
-        messages, usages = [], []
+        messages, usages, history = [], [], []
         for question in ["Hi! Who are you?", "What is 2+2?", "And 3+3?"]:
             messages.append(Message("user", question))
             reply, usage = await turn(messages)
             ids = backend.cached_token_ids("c1")
             prompt, completion = ids[: usage.prompt_tokens], ids[usage.prompt_tokens :]
+            assert prompt == template_ids(tokenizer, messages)
             assert completion == hf_greedy(reference, prompt, 24, eos_token_id=tokenizer.eos_token_id)
-            if usages:  # the whole previous history came from the cache, bar one partial block
-                assert usage.cached_tokens >= previous_len - 16
-            previous_len = len(ids)
+            if history:  # the fast path: the last turn's ids, all but its end-of-turn token, carried over
+                carried = len(history) - (history[-1] == tokenizer.eos_token_id)
+                assert backend.reused_tokens("c1") == carried and prompt[:carried] == history[:carried]
+                assert usage.cached_tokens >= len(history) - 16  # from the cache, bar one partial block
+            history = ids
             usages.append(usage)
             messages.append(Message("assistant", reply))
         await backend.close()

@@ -35,8 +35,11 @@ MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
 @dataclass
 class _Conversation:
     model: str
-    token_ids: list[int]  # everything the engine has seen and produced for it
-    text: str  # those ids decoded, special tokens kept: compared against the next rendered prompt
+    prompt_text: str  # the last turn's prompt as the chat template rendered it
+    num_messages: int  # of that prompt
+    prompt_ids: list[int]  # the ids the engine ran for it
+    completion_ids: list[int]  # and the ids it produced
+    reused: int = 0  # history ids the last turn's prompt took over unchanged (for tests and the bench)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class _Loaded:
     device: str
     dtype: str
     last_used: float
+    leases: int = 0  # streams using the engine now: an engine with leases is never evicted
 
 
 def chat_text(tokenizer, messages: Sequence[Message]) -> str:
@@ -60,6 +64,47 @@ def chat_ids(tokenizer, messages: Sequence[Message]) -> list[int]:
     return tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
 
 
+def next_prompt(tokenizer, previous: _Conversation | None, messages: Sequence[Message], rendered: str,
+                eos_ids) -> tuple[list[int], int]:
+    """(the prompt ids for `rendered`, how many of them are the previous turn's real ids).
+
+    The previous prompt and reply are kept as the engine ran and produced them, so the next turn hits the KV
+    cache for all of them; only what the template writes after the reply (the end of the assistant's turn,
+    the new messages, the generation prompt) is new. Those new tokens are cut from a tokenization of the whole
+    rendered text, at the character where the reply ends, so they come out as the template's own ids do
+    (tokenizing the tail alone would not: a SentencePiece tokenizer marks a word start at a string's start,
+    byte-level BPE may merge differently there). When the reply re-tokenizes to what the model produced, the
+    result is exactly the template's ids. When it does not, or the template puts whitespace around the reply
+    (Llama 2 writes ' ' + reply + ' '; Gemma trims it), the model's own ids of its reply stay: the text then
+    differs from the template's only in how, or with which spaces around it, the reply is written.
+    The template's ids are used whenever the conversation is not the last turn plus its reply plus new
+    messages: an edited or regenerated reply, a reply cut by a stop string, another template."""
+    try:
+        full = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):  # a tokenizer without offsets: no splicing
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"], 0
+    ids, offsets = full["input_ids"], full["offset_mapping"]
+    if (previous is None or len(messages) <= previous.num_messages or not rendered.startswith(previous.prompt_text)
+            or messages[previous.num_messages].role != "assistant"):
+        return ids, 0
+    reply = list(previous.completion_ids)
+    if reply and reply[-1] in eos_ids:
+        reply.pop()  # the template writes the end of the turn itself; its tokens come from the tail below
+    content = messages[previous.num_messages].content.strip()
+    if tokenizer.decode(reply, skip_special_tokens=True).strip() != content:
+        return ids, 0
+    after = len(previous.prompt_text)
+    start = rendered.find(content, after) if content else after
+    if start < 0 or rendered[after:start].strip():
+        return ids, 0
+    end = start + len(content)
+    tail = next((i for i, (first, _) in enumerate(offsets) if first >= end), len(ids))
+    if any(last > end for _, last in offsets[:tail]):
+        return ids, 0  # a token spans the reply's end: no boundary to cut at
+    history = previous.prompt_ids + reply
+    return history + ids[tail:], len(history)
+
+
 class LocalBackend:
     def __init__(self, options: EngineOptions = EngineOptions(), default_model: str = catalog.EMBEDDED_ALIAS,
                  extra_models: Sequence[str] = ()) -> None:
@@ -68,29 +113,34 @@ class LocalBackend:
         self.extra_models = list(extra_models)
         self._loaded: dict[str, _Loaded] = {}
         self._names: dict[str, str] = {}  # model spec -> canonical name
-        self._load_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time (they take seconds: held off the event loop)
+        self._lease_lock = threading.Lock()  # _loaded and the leases: held for moments only
         self._conversations: dict[str, _Conversation] = {}
         self._in_flight: dict[str, tuple[object, int]] = {}  # conversation -> (engine, request id)
 
     # -- models -----------------------------------------------------------------------------------------
+    def _ready(self, name: str | None) -> _Loaded | None:
+        loaded = self._loaded.get(name) if name is not None else None
+        return loaded if loaded is not None and loaded.engine.broken is None else None
+
     async def load(self, model: str | None = None, progress: ProgressCallback | None = None) -> str:
         spec = model or self.default_model
-        name = self._names.get(spec)
-        if name in self._loaded:  # every reply calls load: skip the resolve and the thread hop
-            self._loaded[name].last_used = time.monotonic()
-            return name
+        if (loaded := self._ready(self._names.get(spec))) is not None:  # every reply calls load: stay on the loop
+            loaded.last_used = time.monotonic()
+            return self._names[spec]
         return await asyncio.to_thread(self.load_sync, spec, progress)
 
     def load_sync(self, model: str, progress: ProgressCallback | None = None) -> str:
         resolved = catalog.resolve(model)
         self._names[model] = resolved.name
         with self._load_lock:
-            if resolved.name in self._loaded:
-                self._loaded[resolved.name].last_used = time.monotonic()
+            if (loaded := self._ready(resolved.name)) is not None:
+                loaded.last_used = time.monotonic()
                 return resolved.name
             from tuichat.engine import loader
             from tuichat.engine.engine import Engine, EngineConfig
 
+            self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
             device = loader.resolve_device(self.options.device)
             dtype = loader.resolve_dtype(self.options.dtype, device)
@@ -111,43 +161,59 @@ class LocalBackend:
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
             engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
             engine.start()
-            self._loaded[resolved.name] = _Loaded(
-                engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic()
-            )
+            with self._lease_lock:
+                self._loaded[resolved.name] = _Loaded(
+                    engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic()
+                )
             return resolved.name
 
-    def _evict_idle(self) -> None:
-        busy = {id(engine) for engine, _ in self._in_flight.values()}
-        idle = [name for name, m in self._loaded.items() if id(m.engine) not in busy]
-        while len(self._loaded) >= MAX_LOADED_MODELS and idle:
-            name = min(idle, key=lambda n: self._loaded[n].last_used)
-            idle.remove(name)
-            self._loaded.pop(name).engine.close()
+    def _acquire(self, name: str) -> _Loaded | None:
+        """Lease the loaded engine `name` for one stream (None if it was evicted or broke since it loaded)."""
+        with self._lease_lock:
+            loaded = self._ready(name)
+            if loaded is not None:
+                loaded.leases += 1
+                loaded.last_used = time.monotonic()
+            return loaded
+
+    def _release(self, loaded: _Loaded) -> None:
+        with self._lease_lock:
+            loaded.leases -= 1
+
+    def _drop(self, name: str) -> None:
+        with self._lease_lock:
+            loaded = self._loaded.pop(name, None)
+        if loaded is not None:
+            loaded.engine.close()
             self._conversations = {k: c for k, c in self._conversations.items() if c.model != name}
+
+    def _evict_idle(self) -> None:
+        """Make room for one more model: close the least recently used engines that no stream holds."""
+        while True:
+            with self._lease_lock:
+                idle = [n for n, m in self._loaded.items() if m.leases == 0]
+                if len(self._loaded) < MAX_LOADED_MODELS or not idle:
+                    return
+                name = min(idle, key=lambda n: self._loaded[n].last_used)
+            self._drop(name)
 
     def list_models(self) -> list[ModelInfo]:
         return catalog.list_models(self.extra_models)
 
     # -- prompts ------------------------------------------------------------------------------------------
-    def prompt_ids(self, model: str, conversation_id: str, messages: Sequence[Message]) -> list[int]:
-        """Token ids for the next reply: the conversation's cached ids plus the new turns' template tokens."""
-        tokenizer = self._loaded[model].tokenizer
+    def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message]):
+        """(the rendered prompt, its ids for the engine, how many of them the last turn's ids gave)."""
         if not messages or messages[-1].role != "user" or not messages[-1].content.strip():
             raise BackendError("The prompt is empty.")
         try:
-            rendered = chat_text(tokenizer, messages)
+            rendered = chat_text(loaded.tokenizer, messages)
         except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
-            raise BackendError(f"{model}'s chat template rejected the conversation: {exc}") from exc
+            raise BackendError(f"{name}'s chat template rejected the conversation: {exc}") from exc
         previous = self._conversations.get(conversation_id)
-        if previous is not None and previous.model == model and rendered.startswith(previous.text):
-            suffix = rendered[len(previous.text) :]
-            return previous.token_ids + tokenizer(suffix, add_special_tokens=False)["input_ids"]
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-    def _remember(self, model: str, conversation_id: str, token_ids: list[int]) -> None:
-        tokenizer = self._loaded[model].tokenizer
-        text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        self._conversations[conversation_id] = _Conversation(model, list(token_ids), text)
+        if previous is not None and previous.model != name:
+            previous = None
+        ids, reused = next_prompt(loaded.tokenizer, previous, messages, rendered, loaded.engine.eos_ids)
+        return rendered, ids, reused
 
     # -- streaming ----------------------------------------------------------------------------------------
     async def stream(
@@ -157,27 +223,37 @@ class LocalBackend:
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        name = await self.load(model)
-        engine = self._loaded[name].engine
-        prompt = self.prompt_ids(name, conversation_id, messages)
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        self.cancel(conversation_id)  # one reply per conversation at a time
-        seq = engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
-        self._in_flight[conversation_id] = (engine, seq.id)
-        finished = False
+        for _ in range(3):  # evicted or broken between its load and the lease: load it again
+            name = await self.load(model)
+            if (loaded := self._acquire(name)) is not None:
+                break
+        else:
+            raise BackendError(f"{model or self.default_model} was unloaded while starting the reply; send it again.")
         try:
-            while not finished:
-                out = await outputs.get()
-                finished = out.finished
-                yield StreamEvent(out.text, out.t, out.usage or Usage(), finished, out.error)
+            engine = loaded.engine
+            rendered, prompt, reused = self._prompt(name, loaded, conversation_id, messages)
+            loop = asyncio.get_running_loop()
+            outputs: asyncio.Queue = asyncio.Queue()
+            self.cancel(conversation_id)  # one reply per conversation at a time
+            seq = engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            self._in_flight[conversation_id] = (engine, seq.id)
+            finished = False
+            try:
+                while not finished:
+                    out = await outputs.get()
+                    finished = out.finished
+                    yield StreamEvent(out.text, out.t, out.usage or Usage(), finished, out.error)
+            finally:
+                if not finished:  # the consumer went away: stop generating for nobody
+                    engine.cancel(seq.id)
+                if self._in_flight.get(conversation_id, (None, None))[1] == seq.id:
+                    del self._in_flight[conversation_id]
+                if seq.finish_reason != "error":
+                    self._conversations[conversation_id] = _Conversation(
+                        name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids, reused
+                    )
         finally:
-            if not finished:  # the consumer went away: stop generating for nobody
-                engine.cancel(seq.id)
-            if self._in_flight.get(conversation_id, (None, None))[1] == seq.id:
-                del self._in_flight[conversation_id]
-            if seq.finish_reason != "error":
-                self._remember(name, conversation_id, seq.token_ids)
+            self._release(loaded)
 
     def cancel(self, conversation_id: str) -> None:
         engine, request_id = self._in_flight.get(conversation_id, (None, None))
@@ -187,7 +263,12 @@ class LocalBackend:
     def cached_token_ids(self, conversation_id: str) -> list[int]:
         """The ids the next turn of this conversation builds on (for tests and the bench)."""
         conversation = self._conversations.get(conversation_id)
-        return list(conversation.token_ids) if conversation else []
+        return conversation.prompt_ids + conversation.completion_ids if conversation else []
+
+    def reused_tokens(self, conversation_id: str) -> int:
+        """How many ids of the last turn's prompt were the turn before's own (for tests and the bench)."""
+        conversation = self._conversations.get(conversation_id)
+        return conversation.reused if conversation else 0
 
     # -- metrics ------------------------------------------------------------------------------------------
     def stats(self, model: str | None = None) -> EngineStats:
