@@ -63,6 +63,7 @@ class Usage:
     itl_ms: list[float] = field(default_factory=list)  # gaps between text chunks
     e2e_ms: float | None = None
     finish_reason: FinishReason | None = None
+    finish_detail: str | None = None  # why a reply ended early at "length": a full KV cache, the context length
 
     @property
     def tokens_per_s(self) -> float | None:

@@ -21,9 +21,9 @@ from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache, ModelShape
 from tuichat.engine.request import RequestOutput, Sequence, Status
-from tuichat.engine.runner import ModelRunner, StepChunk
+from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
-from tuichat.engine.scheduler import Scheduler
+from tuichat.engine.scheduler import ScheduledChunk, Scheduler
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,14 @@ class Engine:
             from tuichat.engine import parallel
 
             parallel.check_shardable(model.config, config.tp)  # before spawning anything
-            workers, plan_group = parallel.start_workers(dict(
+            workers, plan_group, pipes = parallel.start_workers(dict(
                 resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
                 world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
                 head_dim=head_dim, num_layers=num_layers,
             ))
             parallel.shard_model(model, 0, config.tp)
             self.runner = parallel.TensorParallelRunner(
-                model, self.kv, config.block_size, self.device, workers, plan_group
+                model, self.kv, config.block_size, self.device, workers, plan_group, pipes
             )
         else:
             self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
@@ -112,13 +112,21 @@ class Engine:
                         why_not = str(exc)
                 if why_not is not None:
                     self.layers = f"transformers ({why_not})"
-        self._check_serving_path(what)
+        try:
+            self._check_serving_path(what)
+        except BaseException:
+            if hasattr(self.runner, "close"):
+                self.runner.close()  # tensor-parallel workers must not outlive a refused model
+            raise
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self._closed = False
+        self.broken: str | None = None  # why the engine cannot serve any more (a tensor-parallel rank failed, ...)
+        self._orphans: list[Sequence] = []  # requests whose consumer went away mid-step
         # Metrics.
         self.last_batch_size = 0
         self._generated: deque[tuple[float, int]] = deque()
@@ -198,13 +206,22 @@ class Engine:
                 f"The prompt is {len(prompt_ids)} tokens long, but the whole KV cache holds {self.capacity_tokens}. "
                 "Raise the engine's kv_cache_mb or start a new conversation."
             )
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab))
+            raise BackendError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None] | None = None
     ) -> Sequence:
         self.validate(prompt_ids)
         seq = Sequence(list(prompt_ids), params, on_output)
-        self._inbox.put(("add", seq))
+        with self._lock:  # against close(): nothing may enter the inbox after the thread drained it for good
+            if self._closed:
+                raise BackendError(f"The engine for {self.name} was shut down; load the model again.")
+            if self.broken is not None:
+                raise BackendError(self.broken)
+            self._inbox.put(("add", seq))
         self._wake.set()
         return seq
 
@@ -223,44 +240,96 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
-                item.generator = make_generator(item.params, self.device)
-                if self.tokenizer is not None:
-                    item.detok = IncrementalDetokenizer(self.tokenizer, item.token_ids)
-                item.stop_matcher = StopMatcher(item.params.stop)
                 self._sequences[item.id] = item
+                if self.broken is not None:  # submitted just before the engine broke
+                    item.error = self.broken
+                    self._finish(item, "error", time.monotonic())
+                    continue
+                try:
+                    item.generator = make_generator(item.params, self.device)
+                    if self.tokenizer is not None:
+                        item.detok = IncrementalDetokenizer(self.tokenizer, item.token_ids)
+                    item.stop_matcher = StopMatcher(item.params.stop)
+                except Exception as exc:
+                    self._fail(item, exc)
+                    continue
                 self.scheduler.add(item)
             elif (seq := self._sequences.get(item)) is not None:
                 seq.cancelled = True
                 self._finish(seq, "cancelled", time.monotonic())
 
     def step(self) -> None:
-        """One scheduling round and one model forward."""
+        """One scheduling round and one model forward. A failure that belongs to some requests ends those
+        (with an error event) and leaves the others running; see _loop for the rest."""
         self._drain_inbox()
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return
-        self.last_batch_size = len(chunks)
-        try:
-            logits = self.runner.execute([c.plan() for c in chunks])
-        except Exception as exc:  # an OOM or a model bug must not take the other tabs' engine down for good
-            now = time.monotonic()
+        if chunks:
+            self.last_batch_size = len(chunks)
+            chunks, logits = self._forward(chunks)
             for chunk in chunks:
-                chunk.seq.error = f"The engine failed on this request: {type(exc).__name__}: {exc}"
-                self._finish(chunk.seq, "error", now)
-            return
+                chunk.seq.num_computed = chunk.start + chunk.length
+                self.blocks.register_computed(chunk.seq)
+            sampling = [c for c in chunks if c.samples]
+            if sampling:
+                tokens = self._sample(logits, [c.seq for c in sampling])
+                now = time.monotonic()
+                self._generated.append((now, sum(t is not None for t in tokens)))
+                while now - self._generated[0][0] > 10.0:
+                    self._generated.popleft()
+                for chunk, token in zip(sampling, tokens):
+                    if token is None:
+                        continue
+                    try:
+                        self._accept(chunk.seq, token, now)
+                    except Exception as exc:  # the detokenizer or stop matcher, on this request's text
+                        self._fail(chunk.seq, exc)
+        self._end_orphans()
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
+        """(the chunks that ran, the logits of those that sample). If the step's forward fails, each chunk runs
+        alone, so that only the requests that fail alone fail: an OOM or a model bug one request triggers must
+        not end the other tabs' replies. Running a chunk again is harmless: it writes the same K/V into its
+        own slots."""
+        try:
+            return chunks, self.runner.execute([c.plan() for c in chunks])
+        except RunnerBroken:
+            raise
+        except Exception as exc:
+            if len(chunks) == 1:
+                self._fail(chunks[0].seq, exc)
+                return [], None
+        ran, rows = [], []
         for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length
-            self.blocks.register_computed(chunk.seq)
-        sampling = [c for c in chunks if c.samples]
-        if not sampling:
-            return
-        tokens = sample(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling])
-        now = time.monotonic()
-        self._generated.append((now, len(tokens)))
-        while now - self._generated[0][0] > 10.0:
-            self._generated.popleft()
-        for chunk, token in zip(sampling, tokens):
-            self._accept(chunk.seq, token, now)
+            try:
+                logits = self.runner.execute([chunk.plan()])
+            except RunnerBroken:
+                raise
+            except Exception as exc:
+                self._fail(chunk.seq, exc)
+                continue
+            ran.append(chunk)
+            if logits is not None:
+                rows.append(logits)
+        return ran, torch.cat(rows) if rows else None
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """One token per sequence; a sequence whose sampling fails gets None and an error, the others a token."""
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:
+            pass
+        tokens: list[int | None] = []
+        for row, seq in enumerate(seqs):
+            try:
+                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator])
+            except Exception as exc:
+                self._fail(seq, exc)
+                tokens.append(None)
+        return tokens
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        seq.error = f"The engine failed on this request: {type(exc).__name__}: {exc}"
+        self._finish(seq, "error", time.monotonic())
 
     def _accept(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -272,9 +341,14 @@ class Engine:
         self._emit(seq, shown, [token], now)
         if stopped:
             self._finish(seq, "stop", now)
-        elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= min(
-            self.max_model_len, self.capacity_tokens
-        ):
+        elif seq.num_completion_tokens >= seq.params.max_tokens:
+            self._finish(seq, "length", now)
+        elif len(seq) >= self.capacity_tokens:
+            seq.finish_detail = (f"the KV cache is full ({self.capacity_tokens} tokens): start a new conversation "
+                                 "or raise kv_cache_mb")
+            self._finish(seq, "length", now)
+        elif len(seq) >= self.max_model_len:
+            seq.finish_detail = f"the reply reached {self.name}'s context length of {self.max_model_len} tokens"
             self._finish(seq, "length", now)
 
     def _emit(self, seq: Sequence, text: str, token_ids: list[int], now: float, final: bool = False) -> None:
@@ -285,9 +359,18 @@ class Engine:
                 seq.itl_ms.append((now - seq.last_text_time) * 1000)
             seq.last_text_time = now
         if seq.on_output is not None and (text or token_ids or final):
-            seq.on_output(
-                RequestOutput(seq.id, text, token_ids, now, final, seq.usage(now, final), seq.error)
-            )
+            try:
+                seq.on_output(RequestOutput(seq.id, text, token_ids, now, final, seq.usage(now, final), seq.error))
+            except Exception:  # the consumer is gone (its event loop closed, say): nobody to generate for
+                seq.on_output = None
+                if not final:
+                    self._orphans.append(seq)
+
+    def _end_orphans(self) -> None:
+        while self._orphans:
+            seq = self._orphans.pop()
+            seq.cancelled = True
+            self._finish(seq, "cancelled", time.monotonic())
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         if seq.status is Status.FINISHED:
@@ -299,6 +382,28 @@ class Engine:
         tail = seq.stop_matcher.flush() if seq.stop_matcher is not None else ""
         self._emit(seq, tail, [], now, final=True)
 
+    def _fail_everything(self, message: str) -> None:
+        """End every request the engine holds or has been sent with `message`, and start from a clean slate:
+        after an error outside any one request, the scheduler's and the pool's state cannot be trusted."""
+        while True:
+            try:
+                op, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "add":
+                self._sequences[item.id] = item
+        now = time.monotonic()
+        for seq in list(self._sequences.values()):
+            seq.status = Status.FINISHED  # directly: the scheduler that would drop it is what failed
+            seq.finish_reason, seq.error = "error", message
+            tail = seq.stop_matcher.flush() if seq.stop_matcher is not None else ""
+            self._emit(seq, tail, [], now, final=True)
+        self._sequences.clear()
+        self._orphans.clear()
+        self.blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, self.config.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, self.scheduler.max_batched_tokens, self.config.max_num_seqs,
+                                   self.config.batching)
+
     # -- the thread -----------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
@@ -306,23 +411,50 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
+        failures = 0  # in a row: an engine that fails step after step stops instead of spinning
         while not self._closed:
             if not self.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+                failures = 0
+            except RunnerBroken as exc:
+                self._break(str(exc))
+            except Exception as exc:
+                failures += 1
+                what = f"{type(exc).__name__}: {exc}"
+                if failures >= 3:
+                    self._break(f"The engine for {self.name} failed three steps in a row ({what}); load the model again.")
+                else:
+                    self._fail_everything(f"The engine hit an internal error and dropped the replies in flight: {what}")
+        self._shut_down()
 
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        for seq in list(self._sequences.values()):
-            seq.error = "The engine was shut down."
-            self._finish(seq, "error", time.monotonic())
+    def _break(self, message: str) -> None:
+        """The engine cannot go on: every stream ends with `message`, and later submits fail at once with it."""
+        self.broken = message
+        self._fail_everything(message)
+
+    def _shut_down(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._fail_everything("The engine was shut down.")
         if hasattr(self.runner, "close"):
             self.runner.close()
+
+    def close(self) -> None:
+        """Stop the engine; replies in flight end with an error event. The scheduler is only ever touched by
+        the engine thread: if a step is still running after the wait, that thread ends the requests itself."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        if self._thread is None:
+            self._shut_down()
+        else:
+            self._thread.join(timeout=30)
 
     # -- synchronous helper for tests and benchmarks -----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

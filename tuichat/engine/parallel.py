@@ -25,11 +25,12 @@ import torch.nn as nn
 from tuichat.backend import BackendError
 from tuichat.engine.fusion import linear
 from tuichat.engine.kv_cache import KVCache, ModelShape
-from tuichat.engine.runner import ModelRunner, StepChunk
+from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 
 _COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 _ROW = {"self_attn": "o_proj", "mlp": "down_proj"}
 _STARTUP_TIMEOUT_S = 300
+COLLECTIVE_TIMEOUT_S = 120
 
 
 class RowParallelLinear(nn.Module):
@@ -117,9 +118,10 @@ def init_rank(spec: WorkerSpec, rank: int) -> dist.ProcessGroup:
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    # Workers wait for plans for as long as the app stays idle, so no collective may time out.
+    # The activations' all-reduces come a layer apart, so a peer silent for minutes is hung: time out. Workers
+    # wait for plans as long as the app stays idle, so the plan group never does.
     dist.init_process_group(
-        backend, init_method=spec.init_method, rank=rank, world_size=spec.world, timeout=timedelta(days=7)
+        backend, init_method=spec.init_method, rank=rank, world_size=spec.world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     )
     return dist.new_group(backend="gloo", timeout=timedelta(days=7))
 
@@ -149,44 +151,77 @@ def _worker_main(spec: WorkerSpec, rank: int, ready) -> None:
             return
         if box[0] is None:
             break
-        runner.execute(box[0])
+        try:
+            runner.execute(box[0])
+        except Exception as exc:  # the ranks are out of step now: say why, and leave (rank 0 sees the exit)
+            ready.send(f"{type(exc).__name__}: {exc}")
+            os._exit(1)
     dist.destroy_process_group()
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: broadcast the plan, then run the same forward as every worker."""
+    """Rank 0's runner: broadcast the plan, then run the same forward as every worker.
 
-    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device, workers, plan_group) -> None:
+    A failure on any rank mid-step leaves the others inside a collective that will never be matched, so no
+    later step can be trusted: the runner stops every worker and raises RunnerBroken, which ends the requests
+    and tells the user to load the model again (LocalBackend then starts fresh workers)."""
+
+    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device, workers, plan_group, pipes) -> None:
         super().__init__(model, kv, block_size, device)
         self.workers = workers
         self.plan_group = plan_group
+        self.pipes = pipes  # per worker: where it says why it failed
+        self.broken: str | None = None
 
-    def _check_workers(self) -> None:
-        for rank, proc in enumerate(self.workers, start=1):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
+    def _dead_worker(self) -> str | None:
+        for rank, (proc, pipe) in enumerate(zip(self.workers, self.pipes), start=1):
+            said = None
+            try:
+                if pipe.poll():
+                    said = pipe.recv()
+            except (EOFError, OSError):  # the worker is gone and said nothing
+                pass
+            if said is not None or not proc.is_alive():
+                proc.join(timeout=5)
+                why = f": {said}" if said else ""
+                return f"tensor-parallel worker {rank} died (exit code {proc.exitcode}){why}"
+        return None
 
     def execute(self, chunks: list[StepChunk]):
-        self._check_workers()
-        dist.broadcast_object_list([chunks], src=0, group=self.plan_group)
-        return super().execute(chunks)
+        if self.broken is not None:
+            raise RunnerBroken(self.broken)
+        try:
+            if (dead := self._dead_worker()) is not None:
+                raise RuntimeError(dead)
+            dist.broadcast_object_list([chunks], src=0, group=self.plan_group)
+            return super().execute(chunks)
+        except Exception as exc:
+            why = self._dead_worker() or f"tensor-parallel rank 0 failed mid-step: {type(exc).__name__}: {exc}"
+            self.broken = f"{why}. Its workers were stopped; load the model again to restart them."
+            self._stop_workers()
+            raise RunnerBroken(self.broken) from exc
 
-    def close(self) -> None:
-        if all(p.is_alive() for p in self.workers):
-            try:
-                dist.broadcast_object_list([None], src=0, group=self.plan_group)
-            except Exception:
-                pass  # a worker died meanwhile; the terminate below cleans up
+    def _stop_workers(self) -> None:
         for proc in self.workers:
-            proc.join(timeout=10)
             if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
+                proc.kill()  # it may be blocked in a collective that will never complete
+        for proc in self.workers:
+            proc.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def close(self) -> None:
+        if self.broken is None and all(p.is_alive() for p in self.workers):
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.plan_group)
+            except Exception:
+                pass  # a worker died meanwhile; the kill below cleans up
+            for proc in self.workers:
+                proc.join(timeout=10)
+        self._stop_workers()
 
-def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup]:
+
+def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup, list]:
     """Spawn ranks 1..N-1, join the process group as rank 0, and wait until every worker holds its shard."""
     if dist.is_initialized():
         raise BackendError("Another tensor-parallel model is loaded; close it first.")
@@ -217,4 +252,4 @@ def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup]:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    return workers, plan_group
+    return workers, plan_group, pipes

@@ -46,7 +46,9 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     last_block_hash: int | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    overtaken: int = 0  # later requests admitted while this one waited (the scheduler bounds it)
     finish_reason: str | None = None
+    finish_detail: str | None = None  # why "length" came before max_tokens: the KV cache or the context was full
     error: str | None = None
     cancelled: bool = False
     # Timestamps (time.monotonic) and latency bookkeeping.
@@ -89,4 +91,5 @@ class Sequence:
             itl_ms=list(self.itl_ms) if final else [],
             e2e_ms=ms(now),
             finish_reason=self.finish_reason,
+            finish_detail=self.finish_detail,
         )

@@ -15,6 +15,10 @@ from tuichat.engine.attention import PrefillSpan, StepContext, set_context
 from tuichat.engine.kv_cache import KVCache
 
 
+class RunnerBroken(RuntimeError):
+    """The runner cannot run any more steps (a tensor-parallel rank failed): the message says what to do."""
+
+
 def is_decode(start: int, length: int) -> bool:
     """A single token with context before it: it joins the batched decode path."""
     return length == 1 and start > 0

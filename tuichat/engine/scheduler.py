@@ -9,6 +9,7 @@ the front of the queue. The "static" and "off" modes exist to measure what conti
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from tuichat.engine.kv_cache import BlockManager, CacheFull
 from tuichat.engine.request import Sequence, Status
 from tuichat.engine.runner import StepChunk, is_decode
+
+
+MAX_OVERTAKES = 8  # how many later requests may be admitted ahead of one that does not fit yet
 
 
 @dataclass
@@ -38,9 +42,13 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_num_seqs: int, batching: str) -> None:
         if batching not in ("continuous", "static", "off"):
             raise ValueError(f"unknown batching mode {batching!r}")
+        if max_batched_tokens < 1:
+            raise ValueError("the per-step token budget must be at least 1")
         self.blocks = blocks
         self.max_batched_tokens = max_batched_tokens
-        self.max_num_seqs = 1 if batching == "off" else max_num_seqs
+        # No more sequences than the budget can step at once: each decode takes one token of it, and a decode
+        # left out of a step for want of budget would wait behind the older ones for ever.
+        self.max_num_seqs = 1 if batching == "off" else min(max_num_seqs, max_batched_tokens)
         self.batching = batching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
@@ -100,15 +108,23 @@ class Scheduler:
                     scheduled.add(seq.id)
                     budget -= length
 
-        # 3. Admit waiting sequences while budget, seats and blocks last.
+        # 3. Admit waiting sequences while budget, seats and blocks last. One that does not fit now lets smaller
+        # ones behind it go first, but only MAX_OVERTAKES times: then nothing passes it until it fits, so a
+        # long prompt waits for the pool to drain rather than for ever.
         may_admit = self.batching != "static" or not self.running
-        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0
+        while may_admit and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
             try:
                 self.blocks.allocate(seq)
             except CacheFull:
-                break
-            self.waiting.popleft()
+                if seq.overtaken >= MAX_OVERTAKES:
+                    break
+                index += 1
+                continue
+            del self.waiting[index]
+            for passed in itertools.islice(self.waiting, index):
+                passed.overtaken += 1
             seq.status = Status.RUNNING
             if seq.num_cached_tokens is None:  # the first admission is what the user's cache hit is
                 seq.num_cached_tokens = seq.num_computed
