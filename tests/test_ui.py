@@ -14,14 +14,14 @@ import pytest
 from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend
-from tuichat.backend import EngineStats
+from tuichat.backend import EngineStats, SamplingParams
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.chat import AssistantMessage, ChatTab, UserMessage
+from tuichat.ui.chat import AssistantMessage, ChatTab, UserMessage, sampling_key
 from tuichat.ui.demo import VirtualClock
 from tuichat.ui.pacing import PaintPacer
-from tuichat.ui.screens import HelpScreen, ModelPicker, SearchScreen
+from tuichat.ui.screens import HelpScreen, ModelPicker, SamplingScreen, SearchScreen
 from tuichat.ui.widgets import EnginePanel, TtftMeter
 
 SIZE = (110, 36)
@@ -545,6 +545,39 @@ async def test_sampling_is_per_tab_and_passed_to_the_backend():
         await pilot.press("ctrl+t")
         await send_and_wait(pilot, "default")
         assert backend.calls[-1]["params"] == Config().sampling
+
+
+async def test_sampling_dialog_refuses_a_value_the_params_reject_and_applies_nothing():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        before = tab.sampling
+        await pilot.press("f3")
+        assert isinstance(app.screen, SamplingScreen)
+        app.screen.query_one("#top_p").focus()
+        await pilot.press("ctrl+a", "ctrl+k", "0", "enter")
+        error = app.screen.query_one("#sampling-error", Static)
+        await until(pilot, lambda: error.display, what="the refusal")
+        assert isinstance(app.screen, SamplingScreen)  # still open, to correct the value
+        assert str(error.render()) == "top_p must be a number above 0 and at most 1 (1 is off), not 0.0."
+        assert tab.sampling is before and app.store.get_setting(sampling_key(tab.conversation_id)) is None
+        await pilot.press("backspace", *"0.5", "enter")
+        await until(pilot, lambda: not isinstance(app.screen, SamplingScreen), what="the dialog closed")
+        assert tab.sampling == replace(before, top_p=0.5)
+        await send_and_wait(pilot, "sampled")
+        assert backend.calls[-1]["params"].top_p == 0.5
+
+
+async def test_a_stored_sampling_the_params_reject_gives_the_default():
+    """top_p 0 could be saved before the params were checked: such a tab opens with the configured default."""
+    store = Store()
+    conversation = store.create_conversation("old tab", "smollm2-135m")
+    store.set_setting(sampling_key(conversation), '{"temperature": 0.7, "top_p": 0, "stop": []}')
+    store.close()
+    config = replace(Config(), sampling=SamplingParams(max_tokens=64))
+    app, _ = make_app(config=config)
+    async with app.run_test(size=SIZE):
+        assert app.active_tab.sampling == config.sampling
 
 
 async def test_each_chunk_reparses_only_the_last_block(monkeypatch):
