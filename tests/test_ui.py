@@ -454,6 +454,38 @@ async def test_help_lists_every_binding_with_its_id():
         assert not isinstance(app.screen, HelpScreen)
 
 
+async def test_only_http_links_open_and_only_on_a_click(monkeypatch):
+    """A reply is model output: its links open in the browser only when clicked, and only http(s) ones; the
+    others are refused with a notification that says why."""
+    import webbrowser
+
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *args, **kwargs: opened.append(url))
+    text = "See [docs](https://example.com/docs) or [run](x-custom://run?cmd=calc) now."
+    app, _ = make_app(FakeBackend(replies=[text]))
+    async with app.run_test(size=SIZE) as pilot:
+        reply = await send_and_wait(pilot, "links")
+        assert opened == []  # streamed and rendered: nothing opens by itself
+        paragraph = reply.query_one(Markdown).children[0]
+        shown = str(paragraph.render())
+        assert shown == "See docs or run now."
+        await pilot.click(paragraph, offset=(shown.index("run"), 0))
+        await until(pilot, lambda: "Not opened: x-custom://run?cmd=calc" in notifications(app), what="refusal")
+        assert "Only http and https links open." in notifications(app) and opened == []
+        # markdown-it already renders file: and javascript: links as text; a link that got through anyway:
+        markdown = reply.query_one(Markdown)
+        refused = ("file:///etc/passwd", "javascript:alert(1)", "//example.com")
+        for href in (*refused, "HTTPS://EXAMPLE.COM/"):
+            markdown.post_message(Markdown.LinkClicked(markdown, href))
+        await until(pilot, lambda: opened, what="the links handled")  # in order: the refusals came first
+        assert all(f"Not opened: {href}" in notifications(app) for href in refused)
+        assert opened == ["HTTPS://EXAMPLE.COM/"]  # a scheme in capitals is still http(s)
+        opened.clear()
+        await pilot.click(paragraph, offset=(shown.index("docs"), 0))
+        await until(pilot, lambda: opened, what="the https link opened")
+        assert opened == ["https://example.com/docs"]
+
+
 # --- settings ---------------------------------------------------------------------------------------
 
 

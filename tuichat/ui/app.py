@@ -12,6 +12,7 @@ import re
 import time
 from functools import partial
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
 from textual import work
 from textual.app import App, SystemCommand
@@ -469,6 +470,18 @@ class TuichatApp(App[None]):
             self.notify(f"Export failed: {error}", severity="error")
         else:
             self.notify(str(path), title="Exported", timeout=10)
+
+    def open_url(self, url: str, *, new_tab: bool = True) -> None:
+        # Every link click ends here (Markdown.LinkClicked included). Links in replies are model output: a
+        # file:, javascript: or custom-scheme link must reach neither the browser nor the desktop's handlers.
+        if urlsplit(url).scheme.lower() in ("http", "https"):
+            super().open_url(url, new_tab=new_tab)
+        else:
+            shown = url if len(url) <= 80 else url[:79] + "…"
+            self.notify(
+                f"Not opened: {shown}\nOnly http and https links open.", title="Link", severity="warning",
+                markup=False,
+            )
 
     @classmethod
     def all_bindings(cls) -> list[Binding]:
