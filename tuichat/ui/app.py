@@ -8,7 +8,10 @@ message sent early waits for the load, with the meter counting.
 from __future__ import annotations
 
 import asyncio
+import codecs
+import os
 import re
+import sys
 import time
 from functools import partial
 from typing import Callable, Iterable
@@ -560,10 +563,27 @@ class TuichatApp(App[None]):
             )
 
 
+def _lenient_terminal_input() -> None:
+    """Textual's Linux driver decodes the terminal's bytes with a strict UTF-8 decoder: one invalid byte (a
+    paste from a Latin-1 terminal, line noise) kills its input thread and the app with it, the unsent
+    prompt too (Textual issue 6456). Replacing such bytes with U+FFFD, as Textual's proposed fix does, keeps
+    the app and the prompt; the driver takes its decoder factory from its module, hence this patch."""
+    from textual.drivers import linux_driver
+
+    def lenient(encoding: str):
+        return partial(codecs.getincrementaldecoder(encoding), errors="replace")
+
+    linux_driver.getincrementaldecoder = lenient
+
+
 def run_tui(
     backend_factory: Callable[[], Backend], config: Config, store: Store, warnings: list[str]
 ) -> None:
+    if os.name == "posix":
+        _lenient_terminal_input()
+    app = TuichatApp(backend_factory, config, store, warnings)
     try:
-        TuichatApp(backend_factory, config, store, warnings).run()
+        app.run()
     finally:
         store.close()
+    sys.exit(app.return_code or 0)  # 1 after a crash
