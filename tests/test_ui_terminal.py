@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -32,21 +34,23 @@ class Terminal:
         self.process = subprocess.Popen([sys.executable, "-m", "tests.tui_with_fake_backend", *args], cwd=ROOT,
                                         env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
         os.close(slave)
-        self.master = master
+        self.master: int | None = master
         self.output = bytearray()
-        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._stop_reading = threading.Event()
+        self._reader = threading.Thread(target=self._read, args=(master,), daemon=True)
         self._reader.start()
 
-    def _read(self) -> None:
+    def _read(self, master: int) -> None:
         # Always drained, so the app never blocks writing a frame; EIO once the app has closed the terminal.
-        while True:
-            try:
-                data = os.read(self.master, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            self.output += data
+        while not self._stop_reading.is_set():
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                self.output += data
 
     def type(self, data: bytes) -> None:
         os.write(self.master, data)
@@ -78,12 +82,20 @@ class Terminal:
         self._reader.join(5)
         return code
 
+    def hang_up(self) -> None:
+        """The terminal goes away (its window closed): every later write of the app fails."""
+        self._stop_reading.set()
+        self._reader.join(5)
+        os.close(self.master)
+        self.master = None
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         self._reader.join(5)
-        os.close(self.master)
+        if self.master is not None:
+            os.close(self.master)
 
 
 @pytest.fixture
@@ -113,3 +125,40 @@ def test_an_invalid_byte_typed_keeps_the_app_and_the_prompt(terminal):
     term.type(CTRL_Q)
     assert term.exit_code(timeout=20) == 0
     assert "Traceback" not in term.text()
+
+
+def last(output: bytes, sequence: bytes) -> int:
+    return output.rfind(sequence)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_a_reply_streams_saves_it_as_stopped_and_restores_the_terminal(terminal, signum):
+    reply = " ".join(f"word{index}" for index in range(400))  # 40 s at 0.1 s a token: still streaming at the end
+    term = terminal("--token-s", "0.1", "--reply", reply)
+    term.type(b"hello" + ENTER)
+    term.wait_for(lambda: term.shows("word3"), "tokens streaming")
+    assert term.messages()[-1][2] == "streaming"
+    os.kill(term.process.pid, signum)
+    assert term.exit_code(timeout=10) == 128 + signum  # promptly, and saying which signal ended it
+    output = bytes(term.output)
+    # Restored: the last word on each mode is the one that turns it back.
+    assert last(output, b"\x1b[?1049l") > last(output, b"\x1b[?1049h") >= 0  # left the alternate screen
+    assert last(output, b"\x1b[?1000l") > last(output, b"\x1b[?1000h") >= 0  # mouse reporting off
+    assert last(output, b"\x1b[?1003l") > last(output, b"\x1b[?1003h") >= 0
+    assert last(output, b"\x1b[?25h") > last(output, b"\x1b[?25l") >= 0  # cursor shown
+    assert len(output) - last(output, b"\x1b[?1049l") < 100  # and that is the end of it
+    assert "Traceback" not in term.text()
+    role, content, status = term.messages()[-1]
+    assert (role, status) == ("assistant", "stopped")
+    assert content.startswith("word0 word1 word2 word3") and len(content) < len(reply)
+
+
+def test_a_hangup_after_the_terminal_is_gone_still_saves_the_reply_as_stopped(terminal):
+    term = terminal("--token-s", "0.1", "--reply", " ".join(f"word{index}" for index in range(400)))
+    term.type(b"hello" + ENTER)
+    term.wait_for(lambda: term.shows("word3"), "tokens streaming")
+    term.hang_up()
+    os.kill(term.process.pid, signal.SIGHUP)
+    assert term.exit_code(timeout=10) == 128 + signal.SIGHUP
+    role, content, status = term.messages()[-1]
+    assert (role, status) == ("assistant", "stopped") and content.startswith("word0 word1 word2 word3")

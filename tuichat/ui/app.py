@@ -11,6 +11,7 @@ import asyncio
 import codecs
 import os
 import re
+import signal
 import sys
 import time
 from functools import partial
@@ -161,6 +162,16 @@ class TuichatApp(App[None]):
         self._engine_timer = self.set_interval(ENGINE_POLL_S, self._refresh_engine_panel, pause=True)
         self._create_backend()
         self.active_tab.prompt.focus()
+        if not self.is_headless:  # a real terminal (tests keep the test runner's own signal handling)
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(signum, self._quit_on_signal, signum)
+
+    def _quit_on_signal(self, signum: int) -> None:
+        # As ctrl+q: the reply in flight is saved as stopped and the terminal restored (Python's default
+        # would end the process with the terminal in the alternate screen and the reply "streaming").
+        # 128 + the signal, as a shell reports a process the signal ended.
+        self.exit(return_code=128 + signum)
 
     def _apply_keymap(self) -> None:
         known = {binding.id for binding in self.all_bindings()}
@@ -586,4 +597,4 @@ def run_tui(
         app.run()
     finally:
         store.close()
-    sys.exit(app.return_code or 0)  # 1 after a crash
+    sys.exit(app.return_code or 0)  # 1 after a crash, 128 + N after signal N
