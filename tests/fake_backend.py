@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
+from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
 from tuichat.backend import BackendError, Message, SamplingParams, StreamEvent, Usage
@@ -30,6 +31,12 @@ class FakeBackend(DemoBackend):
         self.stream_error: str | None = None  # when set: replies end with this error after one token
         self.load_delay_s = 0.0  # extra, real seconds in load(), to test waiting for a model
         self.load_calls: list[str] = []
+        self.reported_usage: Usage | None = None  # if given, the prompt and cached tokens every reply reports
+
+    def _usage(self, conversation_id: str, messages: Sequence[Message]) -> Usage:
+        if self.reported_usage is not None:
+            return replace(self.reported_usage)
+        return super()._usage(conversation_id, messages)
 
     async def load(self, model, progress=None) -> str:
         self.load_calls.append(model)

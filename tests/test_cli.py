@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def run(*args, **env):
@@ -26,3 +29,88 @@ def test_paths_prints_every_location(tmp_path):
     assert f"cache:   {tmp_path / 'c'}" in result.stdout
     for name in ("config:", "themes:", "history:"):
         assert name in result.stdout
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ask(tmp_path, *args: str | bytes, stdin: bytes | None = None, **env) -> subprocess.CompletedProcess:
+    """`tuichat ask` in a fresh process with bytes in and out, as a shell would run it."""
+    env = {**os.environ, "TUICHAT_CONFIG_DIR": str(tmp_path / "config"), "TUICHAT_DATA_DIR": str(tmp_path / "data"),
+           "TUICHAT_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(tmp_path / "home"), **env}
+    return subprocess.run([sys.executable, "-m", "tuichat", "ask", *args], input=stdin, capture_output=True,
+                          env=env, cwd=ROOT, timeout=120)
+
+
+def one_clear_line(result: subprocess.CompletedProcess) -> str:
+    """The exit code 2 and the single `tuichat: ...` line on stderr that every refusal gives, and nothing else."""
+    stderr = result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 2, stderr
+    assert result.stdout == b""
+    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1 and stderr.startswith("tuichat: "), stderr
+    return stderr
+
+
+def nothing_loaded(tmp_path) -> bool:
+    return not (tmp_path / "cache" / "models").exists()  # the first load converts the model in there
+
+
+@pytest.mark.parametrize("encoding", [None, "utf-8:strict"])  # stdin's errors are surrogateescape or strict by locale
+def test_ask_with_invalid_utf8_on_stdin_says_where_and_sends_nothing(tmp_path, encoding):
+    env = {"PYTHONIOENCODING": encoding} if encoding else {}
+    result = ask(tmp_path, "-", stdin="Why is the sky blue?".encode() + b" \xff\xfe", **env)
+    assert "the prompt on stdin is not valid UTF-8 (byte 0xff at 21)" in one_clear_line(result)
+    assert nothing_loaded(tmp_path)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([os.fsencode("caf") + b"\xe9 au lait"], "the prompt is not valid UTF-8 (byte 0xe9 at 3)"),
+    (["hi", "--system", b"\xc3("], "--system is not valid UTF-8 (byte 0xc3 at 0)"),
+])
+def test_ask_with_invalid_utf8_in_argv_says_where_and_sends_nothing(tmp_path, args, message):
+    assert message in one_clear_line(ask(tmp_path, *args))
+    assert nothing_loaded(tmp_path)
+
+
+@pytest.mark.parametrize("args, message", [
+    # A valid non-ASCII prompt passes the check: the model spec is what fails.
+    (["Qu'est-ce que c'est ?", "--model", "./no/such/dir"], "No such file or folder: ./no/such/dir"),
+    (["hi", "--model", "~/x"], "No such file or folder: {home}/x"),
+    (["hi", "--model", "no/such/dir"], "No such file or folder: no/such/dir"),
+    (["hi", "--model", "/no/such/model.gguf"], "No such file or folder: /no/such/model.gguf"),
+    (["hi", "--model", "someorg/not-cached"], "is not in the Hugging Face cache and HF_HUB_OFFLINE is set"),
+    (["hi", "--model", "nonsense"], "Unknown model 'nonsense'"),
+    (["hi", "--seed", "-1"], "seed must be a whole number from 0 to 2**64 - 1, or unset, not -1."),
+])
+def test_ask_with_a_bad_model_or_setting_is_one_clear_line(tmp_path, args, message):
+    result = ask(tmp_path, *args, HF_HUB_OFFLINE="1")
+    assert message.format(home=tmp_path / "home") in one_clear_line(result)
+    assert nothing_loaded(tmp_path)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "Unknown device 'tpu': use auto, cpu"),
+    ("cuda:x", "Unknown device 'cuda:x': use auto, cpu"),
+    ("meta", "Unknown device 'meta': use auto, cpu"),
+    ("mps", "--device mps is not available here: use auto, cpu"),
+])
+def test_ask_on_a_device_torch_cannot_use_is_one_clear_line(tmp_path, device, message):
+    assert message in one_clear_line(ask(tmp_path, "hi", "--device", device, TUICHAT_CPU_KERNELS="0"))
+    assert nothing_loaded(tmp_path)
+
+
+def test_ask_on_a_gpu_index_beyond_the_gpus_lists_the_ones_there(tmp_path, monkeypatch):
+    """One GPU, as torch would report it, and --device cuda:7 (in process, to fake the GPU count)."""
+    import torch
+    from click.testing import CliRunner
+
+    from tuichat.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    result = CliRunner().invoke(main, ["ask", "hi", "--device", "cuda:7"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == ("tuichat: --device cuda:7 is not available here: use auto, cpu, cuda, cuda:0 "
+                             "(torch sees 1 CUDA GPU).\n")
+    assert nothing_loaded(tmp_path)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tuichat.backend import EngineOptions, SamplingParams
+from tuichat.backend import BackendError, EngineOptions, SamplingParams
 from tuichat.config import DEFAULT_CONFIG_TOML, Config, config_path, load_config
 
 
@@ -171,12 +171,56 @@ def test_unreadable_file_gives_defaults_and_a_warning(tmp_path):
     assert len(warnings) == 1 and str(path) in warnings[0]
 
 
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed="7"), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(stop="###"), "stop"),  # a string would be taken as its characters
+        (dict(stop=("ok", 3)), "stop"),
+    ],
+)
+def test_sampling_params_reject_bad_values_with_a_message_naming_them(given, named):
+    with pytest.raises(BackendError, match=rf"^{named} must be .*, not {re.escape(repr(next(iter(given.values()))))}\.$"):
+        SamplingParams(**given)
+
+
+def test_sampling_params_accept_the_edges_and_name_every_bad_value():
+    SamplingParams(temperature=0, top_p=1, top_k=0, max_tokens=1, seed=0, stop=("", "x"))
+    SamplingParams(temperature=2.5, top_p=1e-9, seed=2**64 - 1)
+    with pytest.raises(BackendError) as error:
+        SamplingParams(top_p=0, max_tokens=0)
+    assert "top_p" in str(error.value) and "max_tokens" in str(error.value)
+
+
+@pytest.mark.parametrize("line", ["temperature = nan", "temperature = -inf", "top_p = 0", "top_p = inf",
+                                  "top_k = -1", "max_tokens = 0", "seed = -1", "seed = 1.5", 'stop = "###"'])
+def test_a_sampling_value_the_params_reject_is_a_warning_and_the_default(tmp_path, line):
+    config, warnings = load(tmp_path, f"[sampling]\n{line}\n")
+    assert config.sampling == SamplingParams()
+    assert len(warnings) == 1 and f'"sampling.{line.split()[0]}"' in warnings[0] and "using the default" in warnings[0]
+
+
 # No control characters or lone surrogates: TOML forbids them even escaped, and this test is about values.
 text = st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=8)
 toml_values = st.one_of(
     st.booleans(),
     st.integers(-(2**63), 2**63 - 1),
-    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(),  # nan and inf too: TOML has them, and the sampler must never see them
     text,
     st.sampled_from(["auto", "cpu", "cuda:0", "static", "off", "float16", "balanced"]),
     st.lists(st.one_of(text, st.integers(-5, 5)), max_size=3),
@@ -214,4 +258,6 @@ def test_any_values_never_raise_and_each_setting_is_applied_or_warned(tmp_path, 
                 assert getattr(result, key) == getattr(default, key)
             else:
                 applied = tuple(value) if key == "stop" else value
+                if isinstance(getattr(default, key), float):  # a whole number is read as a float: 2**53 + 1 rounds
+                    applied = float(value)
                 assert getattr(result, key) == applied

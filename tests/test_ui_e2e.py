@@ -3,23 +3,15 @@ answer streams in, the meter shows a TTFT in ms, and the second turn is served f
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from dataclasses import replace
 
+from tests.waiting import until
 from tuichat.backend import EngineOptions, SamplingParams
 from tuichat.config import Config
 from tuichat.local import LocalBackend
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-
-
-async def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_question_answered_by_the_embedded_model(embedded):
@@ -30,7 +22,7 @@ async def test_question_answered_by_the_embedded_model(embedded):
         for turn, question in enumerate(["What is the capital of France?", "And of Italy?"]):
             tab.prompt.insert(question)
             await pilot.press("enter")
-            await wait_for(lambda: len(app.store.messages(tab.conversation_id)) == 2 * (turn + 1)
+            await until(lambda: len(app.store.messages(tab.conversation_id)) == 2 * (turn + 1)
                            and not tab.busy, 120, f"reply {turn + 1}")
             reply = app.store.messages(tab.conversation_id)[-1]
             assert reply.status == "done" and reply.content.strip()

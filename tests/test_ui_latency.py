@@ -12,6 +12,7 @@ from textual import events
 from textual.widgets import TextArea
 
 from tests.fake_backend import FakeBackend
+from tests.waiting import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
@@ -27,7 +28,23 @@ def tuichat_dirs(tmp_path, monkeypatch):
         monkeypatch.setenv(f"TUICHAT_{name.upper()}_DIR", str(tmp_path / name))
 
 
+async def type_keys(app, inserted: dict[str, float], keys: str) -> list[float]:
+    """Post each key as the terminal would, at a fast typist's pace; ms until it is in the prompt."""
+    latencies = []
+    for character in keys:
+        inserted.pop(character, None)
+        sent = time.perf_counter()
+        app.post_message(events.Key(character, character))
+        while character not in inserted:
+            await asyncio.sleep(0.001)
+        latencies.append((inserted[character] - sent) * 1000)
+        await asyncio.sleep(0.03)  # the typist's pace, not a wait for the app
+    return latencies
+
+
 async def test_keypress_latency_while_tabs_stream():
+    """The same keys typed into an idle app and then with four tabs streaming, on the same machine: the
+    streams must not make typing much slower, however fast this machine is."""
     backend = FakeBackend(first_token_s=0.05, token_s=0.01, replies=["\n\n".join(REPLIES * 8)])
     inserted: dict[str, float] = {}
 
@@ -35,42 +52,36 @@ async def test_keypress_latency_while_tabs_stream():
         if isinstance(message, TextArea.Changed) and message.text_area.text:
             inserted.setdefault(message.text_area.text[-1], time.perf_counter())
 
+    keys = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"[:KEYS]
     app = TuichatApp(lambda: backend, Config(), Store())
     app.animation_level = "none"
     async with app.run_test(size=(110, 36), message_hook=hook) as pilot:
+        await until(lambda: "smollm2-135m" in backend.loaded, what="model")
+        idle = await type_keys(app, inserted, keys)
+        app.active_tab.prompt.clear()
         # Not pilot.press: it waits for the app to be idle, which it is not while replies stream.
         for index in range(TABS):
             if index:
                 await app.action_new_tab()
             app.active_tab.prompt.insert(f"tab {index}")
             app.active_tab.prompt.action_send()
-            await asyncio.sleep(0.05)
-        while len(backend.in_flight) < TABS:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # well into the replies
+            await until(lambda: app.active_tab.busy, what=f"tab {index} sent")
+        await until(lambda: all(tab.meter.turn.tokens >= 20 for tab in app.tabs()), what="every tab streaming")
 
         prompt = app.active_tab.prompt
-        latencies = []
-        for index in range(KEYS):
-            character = chr(ord("a") + index % 26) if index < 26 else chr(ord("A") + index - 26)
-            sent = time.perf_counter()
-            app.post_message(events.Key(character, character))
-            while character not in inserted:
-                await asyncio.sleep(0.001)
-            latencies.append((inserted[character] - sent) * 1000)
-            await asyncio.sleep(0.03)  # a fast typist
+        streaming = await type_keys(app, inserted, keys)
         assert len(backend.in_flight) == TABS, "the replies should still be streaming"
-        assert prompt.text.endswith("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN")
+        assert prompt.text == keys  # every key, in order
 
         streamed = [tab.meter.turn.tokens for tab in app.tabs()]
         for tab in app.tabs():
             tab.stop()
 
-    latencies.sort()
-    p50, p90 = statistics.median(latencies), latencies[int(len(latencies) * 0.9)]
+    p50_idle, p50 = statistics.median(idle), statistics.median(streaming)
+    streaming.sort()
     print(
-        f"\nkey → prompt with {TABS} tabs streaming: p50 {p50:.1f} ms, p90 {p90:.1f} ms, "
-        f"max {latencies[-1]:.1f} ms (tokens streamed per tab meanwhile: {streamed})"
+        f"\nkey → prompt idle: p50 {p50_idle:.1f} ms; with {TABS} tabs streaming: p50 {p50:.1f} ms, "
+        f"p90 {streaming[int(len(streaming) * 0.9)]:.1f} ms, max {streaming[-1]:.1f} ms "
+        f"(tokens streamed per tab meanwhile: {streamed})"
     )
-    # Generous: this machine is shared. A frame is ~16 ms; typing feels laggy from ~100 ms.
-    assert p50 < 100, latencies
+    assert p50 <= 3 * p50_idle, (p50, p50_idle)  # measured here: 1.2-1.6x; a render per token: 4x

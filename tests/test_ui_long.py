@@ -24,11 +24,13 @@ from textual.screen import Screen
 from textual.widgets import Markdown, TextArea
 
 from tests.fake_backend import FakeBackend
+from tests.waiting import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.chat import PAGE, WINDOW, AssistantMessage, EarlierMessages, UserMessage
 from tuichat.ui.demo import REPLIES
+from tuichat.ui.pacing import PaintPacer
 
 SIZE = (110, 36)
 
@@ -48,14 +50,6 @@ def fill(store: Store, messages: int, title: str = "long") -> str:
 def tuichat_dirs(tmp_path, monkeypatch):
     for name in ("config", "data", "cache"):
         monkeypatch.setenv(f"TUICHAT_{name.upper()}_DIR", str(tmp_path / name))
-
-
-async def until(condition, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def long_app(messages: int = 300, **backend_args) -> tuple[TuichatApp, FakeBackend, str]:
@@ -205,14 +199,15 @@ async def test_a_hidden_tab_paints_its_streamed_text_when_shown():
 
 
 async def test_a_fast_stream_is_painted_in_bursts_and_its_first_token_at_once(monkeypatch):
-    """Each paint of a streaming reply lays out the screen: tokens arriving faster than PAINT_S share one."""
+    """Each paint of a streaming reply lays out the screen: tokens arriving faster than the pacer's shortest
+    pause share one."""
     reply_text = " ".join(f"word{index}" for index in range(600))
     app, backend, _ = long_app(4, first_token_s=0.05, token_s=0.001, replies=[reply_text])
-    appended: list[tuple[Markdown, str]] = []
+    appended: list[tuple[Markdown, str, float]] = []
     append = Markdown.append
 
     def recording_append(markdown, text):
-        appended.append((markdown, text))
+        appended.append((markdown, text, time.monotonic()))
         return append(markdown, text)
 
     monkeypatch.setattr(Markdown, "append", recording_append)
@@ -223,12 +218,16 @@ async def test_a_fast_stream_is_painted_in_bursts_and_its_first_token_at_once(mo
         tab.prompt.insert("go")
         await pilot.press("enter")
         await until(lambda: tab.last_reply() is not None and not tab.busy, what="reply finished")
+        finished = time.monotonic()
         markdown = tab.last_reply().query_one(Markdown)
         assert markdown.source == reply_text
-    painted = [text for widget, text in appended if widget is markdown]
+    painted = [text for widget, text, _ in appended if widget is markdown]
+    first_painted = next(t for widget, _, t in appended if widget is markdown)
     assert painted[0] == "word0"  # the first token alone, at once: TTFT is not delayed
     assert reply_text.startswith("".join(painted))  # the rest came with the one full render at the end
-    assert len(painted) < 600 / 5, len(painted)
+    # However fast this machine streams: after the first token, no more paints than one per shortest pause.
+    most = (finished - first_painted) / PaintPacer.SHORTEST + 1
+    assert len(painted) <= most, (len(painted), most)
 
 
 class Frames:

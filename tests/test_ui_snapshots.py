@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.fake_backend import FakeBackend
+from tests.waiting import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
@@ -31,19 +32,11 @@ def snapshot_app() -> TuichatApp:
     return app
 
 
-async def until(pilot, condition) -> None:
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)  # not pilot.pause: that forces a screen refresh per poll
-    raise AssertionError("timed out")
-
-
 async def chat(pilot, *turns: tuple[str, str]) -> None:
     """Each turn: (question, canned reply). Holding after the first token lets its paint happen before the
     virtual clock moves on, so the TTFT shown is exactly first_token_s."""
     app = pilot.app
-    await until(pilot, lambda: app.backend is not None and "smollm2-135m" in app.backend.loaded)
+    await until(lambda: app.backend is not None and "smollm2-135m" in app.backend.loaded)
     backend = app.backend
     for question, reply in turns:
         backend.replies = [reply]
@@ -51,14 +44,14 @@ async def chat(pilot, *turns: tuple[str, str]) -> None:
         meter = app.active_tab.meter
         app.active_tab.prompt.insert(question)
         await pilot.press("enter")
-        await until(pilot, lambda: meter.turn is not None and meter.turn.t_first is not None)
+        await until(lambda: meter.turn is not None and meter.turn.t_first is not None)
         backend.hold.set()
-        await until(pilot, lambda: not app.active_tab.busy)
+        await until(lambda: not app.active_tab.busy)
 
 
 async def settle(pilot) -> None:
     pilot.app.clear_notifications()
-    await pilot.pause(0.1)
+    await until(lambda: not pilot.app.screen.query("Toast"), what="the notifications gone")
 
 
 def test_main_screen_after_two_turns(snap_compare):
@@ -80,7 +73,7 @@ def test_engine_panel(snap_compare):
 
 def test_model_picker(snap_compare):
     async def run_before(pilot):
-        await until(pilot, lambda: "demo-large" in pilot.app.known_models)
+        await until(lambda: "demo-large" in pilot.app.known_models)
         await pilot.press("ctrl+o", "d", "e")
         await settle(pilot)
 

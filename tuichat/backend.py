@@ -7,6 +7,7 @@ the engine lazily); tests use fakes that follow the same protocol.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
@@ -34,6 +35,32 @@ class SamplingParams:
     max_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Every front end builds its params here, and the sampler trusts them: top_p 0, for one, would give
+        # NaN probabilities and a reply of invisible tokens. bool is an int subclass, never a number here.
+        def number(value) -> bool:
+            return type(value) in (int, float) and math.isfinite(value)
+
+        def whole(value) -> bool:
+            return type(value) is int
+
+        problems = []
+        if not (number(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be a number ≥ 0 (0 is greedy), not {self.temperature!r}")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be a number above 0 and at most 1 (1 is off), not {self.top_p!r}")
+        if not (whole(self.top_k) and self.top_k >= 0):
+            problems.append(f"top_k must be a whole number ≥ 0 (0 is off), not {self.top_k!r}")
+        if not (whole(self.max_tokens) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be a whole number ≥ 1, not {self.max_tokens!r}")
+        # torch's generators take a seed of 64 bits.
+        if self.seed is not None and not (whole(self.seed) and 0 <= self.seed < 2**64):
+            problems.append(f"seed must be a whole number from 0 to 2**64 - 1, or unset, not {self.seed!r}")
+        if not (isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)):
+            problems.append(f"stop must be a tuple of strings, not {self.stop!r}")
+        if problems:
+            raise BackendError("; ".join(problems) + ".")
 
 
 @dataclass(frozen=True)

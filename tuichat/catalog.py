@@ -60,12 +60,16 @@ def resolve(spec: str) -> ResolvedModel:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise BackendError(f"Model file not found: {path}")
+            raise BackendError(f"No such file or folder: {os.path.expanduser(spec)}")
         return ResolvedModel(path.name, "gguf", str(path.resolve()), _converted_dir(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BackendError(f"{path} is not a transformers model folder (no config.json).")
         return ResolvedModel(str(path), "local", str(path.resolve()))
+    if path.exists():
+        raise BackendError(f"{path} is a file, but neither a .gguf file nor a transformers model folder.")
+    if _looks_like_path(spec):
+        raise BackendError(f"No such file or folder: {os.path.expanduser(spec)}")
     if _HUB_ID.match(spec):
         if _hub_offline() and not _in_hf_cache(spec):
             raise BackendError(
@@ -77,6 +81,11 @@ def resolve(spec: str) -> ResolvedModel:
         f"Unknown model '{spec}': expected '{EMBEDDED_ALIAS}', a local transformers folder, a .gguf file, "
         "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct'."
     )
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A spec no hub id or alias can be: absolute, from home or here, or with more than one slash."""
+    return spec.startswith(("/", "~", ".")) or (os.sep in spec and not _HUB_ID.match(spec))
 
 
 def _hub_offline() -> bool:

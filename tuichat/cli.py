@@ -51,6 +51,23 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+def _utf8(text: str | bytes, what: str) -> str:
+    """`text` if it is valid UTF-8, else exit with where the first bad byte is. Python hands undecodable
+    argv (and, in some locales, stdin) bytes over as lone surrogates, which the tokenizer rejects with a
+    traceback; guessing another encoding or replacing them would send a prompt the user never wrote."""
+    try:
+        if isinstance(text, bytes):
+            return text.decode("utf-8")
+        text.encode("utf-8")
+        return text
+    except UnicodeDecodeError as error:
+        bad, at = error.object[error.start], error.start
+    except UnicodeEncodeError as error:
+        bad, at = ord(error.object[error.start]) - 0xDC00, error.start  # surrogateescape: U+DC80..U+DCFF
+    _fail(f"{what} is not valid UTF-8 (byte 0x{bad:02x} at {at}); nothing was sent. Convert it first, "
+          "e.g. with `iconv -t UTF-8`.")
+
+
 def _main_help() -> str:
     from tuichat.paths import location
 
@@ -117,18 +134,20 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     """Answer PROMPT (`-` reads stdin), streaming the reply to stdout and stats to stderr."""
     from dataclasses import replace
 
-    config, _ = _load_config()
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    # Checked before anything loads: a bad prompt or setting fails in milliseconds, not after the model.
+    prompt = _utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else _utf8(prompt, "the prompt")
     if not prompt.strip():
         _fail("the prompt is empty.")
+    if system is not None:
+        system = _utf8(system, "--system")
+    config, _ = _load_config()
     model = model or ctx.obj.get("model") or config.model
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-    params = replace(config.sampling, **{k: v for k, v in given.items() if v is not None}, stop=tuple(stop))
     system = system if system is not None else config.system_prompt
     messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
     try:
+        params = replace(config.sampling, **{k: v for k, v in given.items() if v is not None}, stop=tuple(stop))
         asyncio.run(_ask(model, options, messages, params, as_json))
     except BackendError as exc:
         _fail(str(exc))

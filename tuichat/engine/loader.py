@@ -23,9 +23,22 @@ _DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an int
 def resolve_device(option: str) -> torch.device:
     if option == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(option)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BackendError("--device cuda was asked for, but torch sees no CUDA GPU.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mps = torch.backends.mps.is_available()
+    choices = ["auto", "cpu"]
+    if gpus:
+        choices += ["cuda", "cuda:0" if gpus == 1 else f"cuda:0 to cuda:{gpus - 1}"]
+    if mps:
+        choices.append("mps")
+    accepted = f"use {', '.join(choices)} (torch sees {gpus or 'no'} CUDA GPU{'' if gpus == 1 else 's'})"
+    try:
+        device = torch.device(option)
+    except RuntimeError:  # torch's message lists every device type it knows, most of them not ours
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise BackendError(f"Unknown device '{option}': {accepted}.")
+    if (device.type == "cuda" and (device.index or 0) >= gpus) or (device.type == "mps" and not mps):
+        raise BackendError(f"--device {option} is not available here: {accepted}.")
     return device
 
 

@@ -8,10 +8,15 @@ message sent early waits for the load, with the meter counting.
 from __future__ import annotations
 
 import asyncio
+import codecs
+import os
 import re
+import signal
+import sys
 import time
 from functools import partial
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
 from textual import work
 from textual.app import App, SystemCommand
@@ -157,6 +162,16 @@ class TuichatApp(App[None]):
         self._engine_timer = self.set_interval(ENGINE_POLL_S, self._refresh_engine_panel, pause=True)
         self._create_backend()
         self.active_tab.prompt.focus()
+        if not self.is_headless:  # a real terminal (tests keep the test runner's own signal handling)
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(signum, self._quit_on_signal, signum)
+
+    def _quit_on_signal(self, signum: int) -> None:
+        # As ctrl+q: the reply in flight is saved as stopped and the terminal restored (Python's default
+        # would end the process with the terminal in the alternate screen and the reply "streaming").
+        # 128 + the signal, as a shell reports a process the signal ended.
+        self.exit(return_code=128 + signum)
 
     def _apply_keymap(self) -> None:
         known = {binding.id for binding in self.all_bindings()}
@@ -470,6 +485,18 @@ class TuichatApp(App[None]):
         else:
             self.notify(str(path), title="Exported", timeout=10)
 
+    def open_url(self, url: str, *, new_tab: bool = True) -> None:
+        # Every link click ends here (Markdown.LinkClicked included). Links in replies are model output: a
+        # file:, javascript: or custom-scheme link must reach neither the browser nor the desktop's handlers.
+        if urlsplit(url).scheme.lower() in ("http", "https"):
+            super().open_url(url, new_tab=new_tab)
+        else:
+            shown = url if len(url) <= 80 else url[:79] + "…"
+            self.notify(
+                f"Not opened: {shown}\nOnly http and https links open.", title="Link", severity="warning",
+                markup=False,
+            )
+
     @classmethod
     def all_bindings(cls) -> list[Binding]:
         """Every binding tuichat defines (Textual's widgets add their own, such as the prompt's editing keys)."""
@@ -547,10 +574,27 @@ class TuichatApp(App[None]):
             )
 
 
+def _lenient_terminal_input() -> None:
+    """Textual's Linux driver decodes the terminal's bytes with a strict UTF-8 decoder: one invalid byte (a
+    paste from a Latin-1 terminal, line noise) kills its input thread and the app with it, the unsent
+    prompt too (Textual issue 6456). Replacing such bytes with U+FFFD, as Textual's proposed fix does, keeps
+    the app and the prompt; the driver takes its decoder factory from its module, hence this patch."""
+    from textual.drivers import linux_driver
+
+    def lenient(encoding: str):
+        return partial(codecs.getincrementaldecoder(encoding), errors="replace")
+
+    linux_driver.getincrementaldecoder = lenient
+
+
 def run_tui(
     backend_factory: Callable[[], Backend], config: Config, store: Store, warnings: list[str]
 ) -> None:
+    if os.name == "posix":
+        _lenient_terminal_input()
+    app = TuichatApp(backend_factory, config, store, warnings)
     try:
-        TuichatApp(backend_factory, config, store, warnings).run()
+        app.run()
     finally:
         store.close()
+    sys.exit(app.return_code or 0)  # 1 after a crash, 128 + N after signal N

@@ -626,12 +626,13 @@ class ChatTab(TabPane):
 
 
 def stored_sampling(raw: str | None, default: SamplingParams) -> SamplingParams:
-    """A tab's sampling from the store; anything unreadable gives the configured default."""
+    """A tab's sampling from the store; anything unreadable or invalid (top_p 0 was once accepted) gives
+    the configured default."""
     if not raw:
         return default
     try:
         data = json.loads(raw)
         data["stop"] = tuple(data.get("stop", ()))
         return replace(default, **data)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, BackendError):
         return default

@@ -11,11 +11,10 @@ from textual.containers import Grid, Vertical
 from textual.content import Content
 from textual.screen import ModalScreen
 from textual.timer import Timer
-from textual.validation import Integer, Number
 from textual.widgets import DataTable, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tuichat.backend import SamplingParams
+from tuichat.backend import BackendError, SamplingParams
 
 if TYPE_CHECKING:
     from tuichat.store import SearchHit
@@ -170,7 +169,8 @@ class RenameScreen(Dialog):
 
 
 class SamplingScreen(Dialog):
-    """This tab's sampling settings. Enter in any field applies them all."""
+    """This tab's sampling settings. Enter in any field applies them all, if SamplingParams accepts them
+    (the fields check only that they hold a number); otherwise the dialog stays open and says why."""
 
     def __init__(self, sampling: SamplingParams) -> None:
         super().__init__()
@@ -179,30 +179,35 @@ class SamplingScreen(Dialog):
     def compose(self):
         s = self.sampling
         seed = "" if s.seed is None else str(s.seed)
+        # The ranges are SamplingParams' to judge, in one place for every front end; an Input of type
+        # number/integer only rejects what is not a (finite) number.
         fields = [
-            ("temperature", "temperature (0 = greedy)", str(s.temperature), [Number(minimum=0)], "number"),
-            ("top_p", "top-p (1 = off)", str(s.top_p), [Number(minimum=0, maximum=1)], "number"),
-            ("top_k", "top-k (0 = off)", str(s.top_k), [Integer(minimum=0)], "integer"),
-            ("max_tokens", "max tokens", str(s.max_tokens), [Integer(minimum=1)], "integer"),
-            ("seed", "seed (empty = random)", seed, [Integer(minimum=0)], "integer"),
+            ("temperature", "temperature (0 = greedy)", str(s.temperature), "number"),
+            ("top_p", "top-p (1 = off)", str(s.top_p), "number"),
+            ("top_k", "top-k (0 = off)", str(s.top_k), "integer"),
+            ("max_tokens", "max tokens", str(s.max_tokens), "integer"),
+            ("seed", "seed (empty = random)", seed, "integer"),
         ]
         with Vertical(classes="dialog"):
             yield Label("Sampling for this tab")
             with Grid(classes="form"):
-                for name, label, value, validators, kind in fields:
+                for name, label, value, kind in fields:
                     yield Label(label)
-                    yield Input(value, id=name, type=kind, validators=validators, valid_empty=name == "seed")
+                    yield Input(value, id=name, type=kind, valid_empty=name == "seed")
+            yield Static(id="sampling-error", classes="error", markup=False)
             yield Static("Enter applies · Esc cancels", classes="hint")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         inputs = list(self.query(Input))
-        invalid = [field.id for field in inputs if not field.validate(field.value).is_valid]
-        if invalid:
-            self.notify(f"Check {', '.join(invalid)}.", severity="error")
-            return
+        for field in inputs:
+            field.validate(field.value)  # None for the empty seed (valid_empty): read is_valid instead
+        invalid = [field.id for field in inputs if not field.is_valid]
         values = {field.id: field.value.strip() for field in inputs}
-        self.dismiss(
-            replace(
+        if invalid:
+            self._refuse(f"{', '.join(invalid)}: not a number.")
+            return
+        try:
+            sampling = replace(
                 self.sampling,
                 temperature=float(values["temperature"]),
                 top_p=float(values["top_p"]),
@@ -210,7 +215,15 @@ class SamplingScreen(Dialog):
                 max_tokens=int(values["max_tokens"]),
                 seed=int(values["seed"]) if values["seed"] else None,
             )
-        )
+        except BackendError as error:
+            self._refuse(str(error))
+            return
+        self.dismiss(sampling)
+
+    def _refuse(self, why: str) -> None:
+        error = self.query_one("#sampling-error", Static)
+        error.update(why)
+        error.display = True
 
 
 class HelpScreen(Dialog):

@@ -1,0 +1,25 @@
+"""Test-only: `python -m tests.tui_with_fake_backend` runs the real `run_tui` (terminal driver, signal
+handling, exit code) over FakeBackend, for tests that drive tuichat in a pseudo-terminal. History goes to
+TUICHAT_DATA_DIR as usual."""
+
+from __future__ import annotations
+
+import argparse
+
+from tests.fake_backend import FakeBackend
+from tuichat.config import Config
+from tuichat.store import Store
+from tuichat.ui.app import run_tui
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--token-s", type=float, default=0.005, help="seconds between streamed tokens")
+    parser.add_argument("--reply", help="the one canned reply (default: FakeBackend's)")
+    args = parser.parse_args()
+    backend = FakeBackend(token_s=args.token_s, **({"replies": [args.reply]} if args.reply else {}))
+    run_tui(lambda: backend, Config(), Store(), [])
+
+
+if __name__ == "__main__":
+    main()
