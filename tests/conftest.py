@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+import stat
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,18 @@ def isolated_dirs(tmp_path, session_cache, monkeypatch):
     monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("TUICHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+
+
+@pytest.fixture
+def permissive_umask():
+    """The usual default umask: new files readable by everyone unless tuichat says otherwise."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 # tuichat's CPU kernels as built for this CPU, for Zen 4-like CPUs (AVX-512 with BF16, no AMX) and for most

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import mode
 from tuichat.store import SCHEMA_VERSION, Store, StoreError
 
 
@@ -34,6 +35,36 @@ def test_default_location_is_the_data_dir(tmp_path, monkeypatch):
     store = Store()
     store.close()
     assert store.path == tmp_path / "data" / "history.sqlite3" and store.path.exists()
+
+
+def with_wal(path):
+    return [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+
+
+def test_the_history_is_private_under_a_permissive_umask(tmp_path, permissive_umask):
+    store = Store()  # in TUICHAT_DATA_DIR, which does not exist yet
+    store.add_message(store.create_conversation("Diary", "m"), "user", "a secret")
+    files = with_wal(store.path)
+    assert all(file.exists() for file in files)  # the connection is open: the WAL and its index are there
+    assert mode(tmp_path / "data") == 0o700
+    assert [mode(file) for file in files] == [0o600] * 3
+    store.close()
+
+
+def test_files_an_older_tuichat_left_readable_are_made_private_on_open(tmp_path, permissive_umask):
+    data = tmp_path / "data"
+    data.mkdir()
+    older = sqlite3.connect(data / "history.sqlite3")  # as before the fix: created under the umask
+    older.execute("PRAGMA journal_mode = WAL")
+    older.execute("CREATE TABLE old_notes (text TEXT)")
+    files = with_wal(data / "history.sqlite3")
+    assert mode(data) == 0o755 and [mode(file) for file in files] == [0o644] * 3
+
+    store = Store()
+    assert mode(data) == 0o700
+    assert [mode(file) for file in files] == [0o600] * 3
+    store.close()
+    older.close()
 
 
 def test_migrates_a_version_1_file_keeping_its_data(path):

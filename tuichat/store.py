@@ -9,10 +9,11 @@ crash loses at most the last flush, never the file.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -141,9 +142,15 @@ class Store:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or paths.data_dir() / "history.sqlite3"
         try:
+            # SQLite creates -wal and -shm with the main file's mode, so a 0600 file keeps them private; ones
+            # left by a crash of an older tuichat keep their mode and are tightened here.
+            os.close(paths.open_private(self.path, os.O_RDONLY))
+            for suffix in ("-wal", "-shm"):
+                with suppress(FileNotFoundError):
+                    paths.make_private(self.path.with_name(self.path.name + suffix))
             # isolation_level=None: autocommit; multi-statement changes use _transaction() explicitly.
             self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
-        except sqlite3.Error as error:
+        except (OSError, sqlite3.Error) as error:
             raise StoreError(f"{self.path} cannot be opened ({error}).") from error
         try:
             self._conn.execute("PRAGMA journal_mode = WAL")

@@ -459,12 +459,11 @@ class TuichatApp(App[None]):
 
     def action_export(self) -> None:
         tab = self.active_tab
-        folder = paths.data_dir() / "exports"
         slug = re.sub(r"[^\w-]+", "-", tab.title).strip("-")[:40] or "conversation"
-        path = folder / f"{slug}-{tab.conversation_id[:8]}.md"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.store.export_markdown(tab.conversation_id), encoding="utf-8")
+            # As private as the history it copies (the file names hold the titles, too).
+            path = paths.private_dir(paths.data_dir() / "exports") / f"{slug}-{tab.conversation_id[:8]}.md"
+            paths.write_private(path, self.store.export_markdown(tab.conversation_id))
         except OSError as error:
             self.notify(f"Export failed: {error}", severity="error")
         else:
