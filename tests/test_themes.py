@@ -1,9 +1,14 @@
+import tomllib
+from pathlib import Path
+
 import pytest
 from textual.app import App, ComposeResult
 from textual.color import Color
 from textual.widgets import Button, Footer, Input, Markdown, TextArea
 
-from tuichat.themes import BUNDLED_THEMES_DIR, load_themes, theme_from_dict, user_themes_dir
+from tuichat.themes import bundled_themes_dir, load_themes, theme_from_dict, user_themes_dir
+
+CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "themes"
 
 
 @pytest.fixture
@@ -37,12 +42,13 @@ class ThemedApp(App):
         yield Footer()
 
 
-def test_bundled_themes_load_without_warnings(no_user_themes):
+def test_bundled_themes_are_the_checkouts_and_load_without_warnings(no_user_themes):
+    assert Path(str(bundled_themes_dir())) == CHECKOUT_THEMES  # test_packaging covers the installed cases
     themes, warnings = load_themes(no_user_themes)
     assert warnings == []
-    names = [t.name for t in themes]
-    assert len(themes) == len(list(BUNDLED_THEMES_DIR.glob("*.toml"))) >= 4
-    assert {"tuichat-dark", "tuichat-light", "tuichat-high-contrast"} <= set(names)
+    in_files = sorted(tomllib.loads(path.read_text())["name"] for path in CHECKOUT_THEMES.glob("*.toml"))
+    assert sorted(t.name for t in themes) == in_files
+    assert {"tuichat-dark", "tuichat-light", "tuichat-high-contrast", "tuichat-solarized-light"} <= set(in_files)
     assert {True, False} <= {t.dark for t in themes}
 
 
