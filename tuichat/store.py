@@ -16,7 +16,7 @@ import uuid
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tuichat import paths
 
@@ -139,8 +139,9 @@ def _fts_query(text: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.path = path or paths.data_dir() / "history.sqlite3"
+        self._clock = clock  # the created/updated times; tests set it to see one change
         try:
             # SQLite creates -wal and -shm with the main file's mode, so a 0600 file keeps them private; ones
             # left by a crash of an older tuichat keep their mode and are tightened here.
@@ -207,7 +208,7 @@ class Store:
     def create_conversation(self, title: str, model: str) -> str:
         """A new conversation, open, as the last tab. Returns its id."""
         conversation_id = uuid.uuid4().hex
-        now = time.time()
+        now = self._clock()
         self._conn.execute(
             f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?)",
             (conversation_id, title, model, self._next_position(), now, now),
@@ -263,7 +264,7 @@ class Store:
     ) -> int:
         _check(role, ROLES, "role")
         _check(status, STATUSES, "status")
-        now = time.time()
+        now = self._clock()
         try:
             with self._transaction() as conn:
                 cursor = conn.execute(
