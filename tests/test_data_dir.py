@@ -4,19 +4,17 @@ other processes and separate holders in this one."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import mode
+from conftest import mode, until
 from fake_backend import FakeBackend
 from tuichat import locks as locks_module
 from tuichat.config import Config
@@ -43,14 +41,6 @@ def make_app() -> TuichatApp:
 
 def notifications(app) -> str:
     return "\n".join(n.message for n in app._notifications)
-
-
-async def until(condition, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def conversations(*specs: tuple[str, str]) -> list[str]:
