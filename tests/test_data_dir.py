@@ -206,9 +206,13 @@ async def test_when_every_open_tab_is_held_elsewhere_a_new_conversation_starts(d
         assert len(Store().conversations(open_only=True)) == 4
 
 
-async def test_where_nothing_can_be_locked_it_says_so_once_and_goes_on(data):
+@pytest.mark.parametrize("why", ["no lock folder", "no flock"])
+async def test_where_nothing_can_be_locked_it_says_so_once_and_goes_on(data, monkeypatch, why):
     Store().close()
-    (data / "locks").write_text("a file where the lock folder should be")
+    if why == "no flock":  # as on Windows
+        monkeypatch.setattr(locks_module, "fcntl", None)
+    else:
+        (data / "locks").write_text("a file where the lock folder should be")
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("ctrl+t")

@@ -13,18 +13,23 @@ quits. Read-only viewing was left out: the view would go stale while the owner w
 the file drops them all; a flock belongs to its open file description, so two holders conflict even in one
 process. The holder writes "pid host" into the file for the other's message. The file is removed on
 release, while still locked; a claimer that opened it just before checks after locking that the path still
-names the file it locked. POSIX only, like the rest of tuichat's process handling.
+names the file it locked. Without flock (Windows), claim() raises OSError: the app then runs unguarded and
+says so.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from tuichat import paths
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class ConversationLocks:
         OSError when the folder cannot be used or the file system has no locks."""
         if conversation_id in self._held:
             return None
+        if fcntl is None:
+            raise OSError("this system has no flock")
         paths.private_dir(self.folder)
         path = self._path(conversation_id)
         while True:
