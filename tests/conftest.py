@@ -3,8 +3,12 @@ converted once per test session into a temporary cache (that conversion is itsel
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
+import stat
+import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,27 @@ def isolated_dirs(tmp_path, session_cache, monkeypatch):
     monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("TUICHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+
+
+@pytest.fixture
+def permissive_umask():
+    """The usual default umask: new files readable by everyone unless tuichat says otherwise."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def until(condition, what: str, timeout: float = 5.0) -> None:
+    """Wait for `condition()` to hold, polling; fail naming `what` if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 # tuichat's CPU kernels as built for this CPU, for Zen 4-like CPUs (AVX-512 with BF16, no AMX) and for most

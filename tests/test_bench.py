@@ -3,6 +3,7 @@ lengths, cache accounting, ordering of percentiles, rendering, CLI wiring): neve
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -69,7 +70,7 @@ def test_json_has_every_required_key_with_sane_types(run):
     for path in REQUIRED[3:]:
         value = lookup(result, path)
         if path.endswith(("ttft_ms", "cached_fraction")) and "multiturn" in path:
-            assert isinstance(value, list)
+            assert len(value) == TINY["turns"]  # per turn: the next test checks the values
         else:
             assert positive(value), f"{path} = {value!r}"
     json.dumps(result, allow_nan=False)  # one plain JSON object, no NaN
@@ -101,15 +102,16 @@ def test_percentiles_are_ordered_and_counts_add_up(run):
     sc = run[0]["scenarios"]
     entries = list(sc["tabs"]["modes"].values()) + [p for p in sc["tabs"]["peers"].values() if "skipped" not in p]
     for entry in entries:
-        for metric in ("ttft_ms", "itl_ms", "tpot_ms"):
-            lo, hi = entry[f"{metric}_p50"], entry[f"{metric}_p90"]
-            if lo is not None:
-                assert lo <= hi
         assert entry["requests"] == TINY["tabs"]
         assert 0 < entry["output_tokens"] <= TINY["tabs"] * TINY["tab_tokens"]
+        # Every request has a TTFT; gaps between tokens exist once some request got a second token.
+        metrics = ("ttft_ms", "itl_ms", "tpot_ms") if entry["output_tokens"] > entry["requests"] else ("ttft_ms",)
+        for metric in metrics:
+            assert entry[f"{metric}_p50"] <= entry[f"{metric}_p90"], metric
     single = sc["single"]["tuichat"]
-    assert single["itl_ms_p50"] is None or single["itl_ms_p50"] <= single["itl_ms_p90"]
     assert 0 < single["output_tokens"][0] <= TINY["single_tokens"]
+    if single["output_tokens"][0] > 1:
+        assert single["itl_ms_p50"] <= single["itl_ms_p90"]
     shared = sc["shared_prefix"]
     for side in ("cache_on", "cache_off"):
         assert shared[side]["ttft_ms_p50"] <= shared[side]["ttft_ms_p90"]
@@ -121,19 +123,34 @@ def test_interference_probes_while_others_decode(run):
     assert positive(inter["loaded_over_idle"])
 
 
-def test_missing_llama_cpp_is_a_note_not_a_failure(run):
+def test_llama_cpp_runs_when_installed_and_is_a_note_when_not(run):
     result, _ = run
     peer = result["scenarios"]["tabs"]["peers"]["llama_cpp"]
-    if "skipped" in peer:
-        assert "llama-cpp-python" in peer["skipped"] or ".gguf" in peer["skipped"]
+    if importlib.util.find_spec("llama_cpp") is None:  # the embedded model is a .gguf: only the package can lack
+        assert "llama-cpp-python" in peer["skipped"] and peer["tokens_per_s"] is None
         assert any("llama_cpp skipped" in note for note in bench.skipped_notes(result))
+    else:
+        assert "skipped" not in peer and positive(peer["tokens_per_s"])
 
 
-def test_targets_are_reported_not_asserted(run):
+def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
+    sc = run[0]["scenarios"]
+    tabs, multi, single, inter = sc["tabs"], sc["multiturn"], sc["single"], sc["interference"]
+    ours = tabs["tuichat"]["tokens_per_s"]
+    expected = [
+        ours / tabs["peers"]["hf_static_batch"]["tokens_per_s"],
+        ours / tabs["peers"]["hf_generate_batch"]["tokens_per_s"],
+        multi["cache_on"]["ttft_ms"][-1] / multi["cache_on"]["ttft_ms"][0],
+        multi["cache_off"]["ttft_ms"][-1] / multi["cache_on"]["ttft_ms"][-1],
+        inter["loaded_ttft_ms"] / inter["idle_ttft_ms"],
+        single["tuichat"]["ttft_ms"] / single["bare_forward_ms"],
+        single["tuichat"]["decode_tokens_per_s"] / single["peers"]["hf_generate"]["decode_tokens_per_s"],
+    ]
     targets = run[0]["targets"]
-    assert len(targets) == 7
-    for t in targets:
-        assert t["ok"] in (True, False) and positive(t["value"]) and t["target"][:2] in (">=", "<=")
+    assert [t["value"] for t in targets] == pytest.approx(expected)
+    for t in targets:  # reported, not asserted: whichever way it went, `ok` says so
+        op, bound = t["target"].split()
+        assert t["ok"] is (t["value"] >= float(bound) if op == ">=" else t["value"] <= float(bound)), t["name"]
 
 
 def test_table_renders_every_scenario_and_the_progress_went_to_stderr(run):

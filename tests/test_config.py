@@ -155,7 +155,9 @@ def test_hints_for_typos_and_misplaced_keys(tmp_path):
 def test_a_table_of_the_wrong_type_is_ignored(tmp_path):
     config, warnings = load(tmp_path, 'sampling = 3\nengine = "cpu"\nmodel = "m"\n')
     assert config == Config(model="m")
-    assert len(warnings) == 2
+    sampling, engine = sorted(warnings, key=lambda w: '"engine"' in w)
+    assert '"sampling" must be a [sampling] table, not 3' in sampling
+    assert '"engine" must be a [engine] table, not "cpu"' in engine
 
 
 def test_empty_system_prompt_means_none(tmp_path):
@@ -168,7 +170,8 @@ def test_unreadable_file_gives_defaults_and_a_warning(tmp_path):
     path.write_bytes(b"model = \"\xff\"\n")
     config, warnings = load_config(path)
     assert config == Config()
-    assert len(warnings) == 1 and str(path) in warnings[0]
+    [warning] = warnings
+    assert str(path) in warning and "cannot be read" in warning and "utf-8" in warning
 
 
 @pytest.mark.parametrize(

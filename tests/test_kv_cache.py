@@ -1,5 +1,6 @@
-"""Property test of the block manager: any interleaving of admissions, growth, registration and frees
-keeps the accounting exact and every block free again at the end."""
+"""The block manager: any interleaving of admissions, growth, registration and frees keeps the accounting
+exact, shares a block only between sequences holding the same tokens in front of it at the same place, and
+frees every block at the end; an identical prompt reuses the full blocks but recomputes its last token."""
 
 from __future__ import annotations
 
@@ -43,14 +44,58 @@ def test_block_accounting_survives_any_interleaving(ops, prefix_cache):
         elif op == "free" and seq is not None:
             manager.free_sequence(live.pop(slot))
         refs = [0] * manager.num_blocks
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
         for s in live.values():
             assert len(s.block_table) >= manager.blocks_for(len(s))
-            for block_id in s.block_table:
+            assert len(set(s.block_table)) == len(s.block_table)
+            for index, block_id in enumerate(s.block_table):
                 refs[block_id] += 1
+                holders.setdefault(block_id, []).append((s, index))
         assert refs == [b.ref_count for b in manager.blocks]  # ref counts are exactly the table references
         assert manager.num_free == sum(1 for r in refs if r == 0)
+        assert prefix_cache or max(refs, default=0) <= 1
+        for block_id, held in holders.items():
+            if len(held) > 1:  # shared: a full block, at one place, after the same tokens in every holder
+                (first, index), *others = held
+                end = (index + 1) * manager.block_size
+                assert all(i == index and len(o) >= end for o, i in others) and len(first) >= end
+                assert all(o.token_ids[:end] == first.token_ids[:end] for o, _ in others)
         for h, block_id in manager.by_hash.items():
             assert manager.blocks[block_id].hash == h
     for seq in live.values():
         manager.free_sequence(seq)
     assert manager.num_free == manager.num_blocks
+
+
+def computed(manager: BlockManager, tokens: list[int]) -> Sequence:
+    seq = Sequence(tokens, SamplingParams())
+    manager.allocate(seq)
+    seq.num_computed = len(seq)
+    manager.register_computed(seq)
+    return seq
+
+
+def test_an_identical_prompt_reuses_its_full_blocks_and_recomputes_the_last_token():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    first = computed(manager, [7] * 10)  # blocks: 4, 4, and 2 tokens
+    again = Sequence([7] * 10, SamplingParams())
+    manager.allocate(again)
+    assert again.block_table[:2] == first.block_table[:2] and again.num_computed == 8
+    assert again.block_table[2] not in first.block_table
+    # Exactly two full blocks: the second holds the last token, which must run again for the next logits.
+    exact = Sequence([7] * 8, SamplingParams())
+    manager.allocate(exact)
+    assert exact.block_table[0] == first.block_table[0] and exact.block_table[1] not in first.block_table
+    assert exact.num_computed == 4
+    # The same tokens after a different first block are a different prefix: nothing shared.
+    other = Sequence([8] * 4 + [7] * 6, SamplingParams())
+    manager.allocate(other)
+    assert not set(other.block_table) & set(first.block_table) and other.num_computed == 0
+
+
+def test_without_the_prefix_cache_nothing_is_shared():
+    manager = BlockManager(num_blocks=16, block_size=4, prefix_cache=False)
+    first = computed(manager, [7] * 10)
+    again = Sequence([7] * 10, SamplingParams())
+    manager.allocate(again)
+    assert not set(again.block_table) & set(first.block_table) and again.num_computed == 0

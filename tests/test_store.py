@@ -1,3 +1,4 @@
+import re
 import sqlite3
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import mode
 from tuichat.store import SCHEMA_VERSION, Store, StoreError
 
 
@@ -34,6 +36,36 @@ def test_default_location_is_the_data_dir(tmp_path, monkeypatch):
     store = Store()
     store.close()
     assert store.path == tmp_path / "data" / "history.sqlite3" and store.path.exists()
+
+
+def with_wal(path):
+    return [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+
+
+def test_the_history_is_private_under_a_permissive_umask(tmp_path, permissive_umask):
+    store = Store()  # in TUICHAT_DATA_DIR, which does not exist yet
+    store.add_message(store.create_conversation("Diary", "m"), "user", "a secret")
+    files = with_wal(store.path)
+    assert all(file.exists() for file in files)  # the connection is open: the WAL and its index are there
+    assert mode(tmp_path / "data") == 0o700
+    assert [mode(file) for file in files] == [0o600] * 3
+    store.close()
+
+
+def test_files_an_older_tuichat_left_readable_are_made_private_on_open(tmp_path, permissive_umask):
+    data = tmp_path / "data"
+    data.mkdir()
+    older = sqlite3.connect(data / "history.sqlite3")  # as before the fix: created under the umask
+    older.execute("PRAGMA journal_mode = WAL")
+    older.execute("CREATE TABLE old_notes (text TEXT)")
+    files = with_wal(data / "history.sqlite3")
+    assert mode(data) == 0o755 and [mode(file) for file in files] == [0o644] * 3
+
+    store = Store()
+    assert mode(data) == 0o700
+    assert [mode(file) for file in files] == [0o600] * 3
+    store.close()
+    older.close()
 
 
 def test_migrates_a_version_1_file_keeping_its_data(path):
@@ -108,17 +140,26 @@ def test_search_finds_words_in_user_and_assistant_messages(store):
 
 
 def test_search_treats_quotes_and_operators_in_user_text_as_words(store):
-    chat(store, "Quotes", ("user", 'He said "hello" NOT once, (maybe) c++ col:umn'), ("assistant", "ok"))
-    for query in ['"hello"', '"hello', "NOT", "once NOT hello", "(maybe", "c++", "col:umn", "-said", "he*", "^he"]:
+    chat(store, "Quotes", ("user", 'He said "hello" NOT once AND (maybe) near c++ col:umn'), ("assistant", "ok"))
+    for query in ['"hello"', '"hello', "NOT", "AND", "once NOT hello", "(maybe", "c++", "col:umn", "-said", "he*",
+                  "^he", "NEAR(", "NEAR( maybe", 'he "', "hello ()", "once *", 'said "\0"']:
         assert [h.role for h in store.search(query)] == ["user"], query
-    for query in ['"', "*", "AND", "NEAR(", "()", "'", "-", "\0", 'a"\0"b']:
-        store.search(query)  # no syntax error, whatever it finds
+    # Punctuation is not indexed: alone it finds nothing (and is no syntax error either).
+    for query in ['"', "*", "()", "'", "-", "\0", '"\0"']:
+        assert store.search(query) == [], query
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text())
-def test_search_never_raises_on_any_text(store, query):
-    assert isinstance(store.search(query), list)
+def test_any_text_searched_finds_the_message_holding_it_and_nothing_else(store, text):
+    message = store.add_message(chat(store, "t"), "user", text)
+    try:
+        hits = {hit.message_id for hit in store.search(text)}
+        assert hits <= {message}  # the only message there
+        if re.search("[A-Za-z0-9]", text):  # a word the tokenizer keeps, whatever its Unicode tables
+            assert hits == {message}
+    finally:
+        store.delete_message(message)
 
 
 def test_search_index_follows_edits_and_deletes(store):
@@ -145,7 +186,26 @@ def test_messages_round_trip_in_order_with_meta(store):
         ("assistant", "Hello!", "done"),
     ]
     assert messages[-1].meta == {"ttft_ms": 30.0, "tokens_per_s": 41.5}
-    assert store.conversation(conversation).updated >= store.conversation(conversation).created
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_new_message_moves_its_conversations_updated_time(path):
+    clock = Clock(1000.0)
+    store = Store(path, clock=clock)
+    conversation = store.create_conversation("t", "m")
+    clock.now = 1250.0
+    store.add_message(conversation, "user", "Hi")
+    row = store.conversation(conversation)
+    assert (row.created, row.updated) == (1000.0, 1250.0)
+    assert store.messages(conversation)[0].created == 1250.0
+    store.close()
 
 
 class CountingConnection:
@@ -264,10 +324,16 @@ def test_open_tabs_keep_their_order(path):
     store.close()
 
 
-def test_closed_conversations_are_listed_most_recent_first(store):
-    old, new = chat(store, "old"), chat(store, "new")
+def test_closed_conversations_are_listed_most_recent_first(path):
+    clock = Clock(1000.0)
+    store = Store(path, clock=clock)
+    old = chat(store, "old")
+    clock.now += 1
+    new = chat(store, "new")
     store.set_open(new, False)
     store.set_open(old, False)
+    clock.now += 1
     store.add_message(old, "user", "bump")
     assert [x.title for x in store.conversations()] == ["old", "new"]
     assert store.conversations(open_only=True) == []
+    store.close()

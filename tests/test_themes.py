@@ -1,9 +1,17 @@
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
 from textual.app import App, ComposeResult
 from textual.color import Color
+from textual.theme import Theme
 from textual.widgets import Button, Footer, Input, Markdown, TextArea
 
-from tuichat.themes import BUNDLED_THEMES_DIR, load_themes, theme_from_dict, user_themes_dir
+from conftest import until
+from tuichat.themes import bundled_themes_dir, load_themes, theme_from_dict, user_themes_dir
+
+CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "themes"
 
 
 @pytest.fixture
@@ -37,12 +45,13 @@ class ThemedApp(App):
         yield Footer()
 
 
-def test_bundled_themes_load_without_warnings(no_user_themes):
+def test_bundled_themes_are_the_checkouts_and_load_without_warnings(no_user_themes):
+    assert Path(str(bundled_themes_dir())) == CHECKOUT_THEMES  # test_packaging covers the installed cases
     themes, warnings = load_themes(no_user_themes)
     assert warnings == []
-    names = [t.name for t in themes]
-    assert len(themes) == len(list(BUNDLED_THEMES_DIR.glob("*.toml"))) >= 4
-    assert {"tuichat-dark", "tuichat-light", "tuichat-high-contrast"} <= set(names)
+    in_files = sorted(tomllib.loads(path.read_text())["name"] for path in CHECKOUT_THEMES.glob("*.toml"))
+    assert sorted(t.name for t in themes) == in_files
+    assert {"tuichat-dark", "tuichat-light", "tuichat-high-contrast", "tuichat-solarized-light"} <= set(in_files)
     assert {True, False} <= {t.dark for t in themes}
 
 
@@ -68,9 +77,8 @@ async def test_bundled_themes_apply_in_a_textual_app(no_user_themes):
             app.register_theme(theme)
         for theme in themes:
             app.theme = theme.name
-            await pilot.pause()
             assert app.current_theme.name == theme.name
-            assert app.screen.styles.background == Color.parse(theme.background)
+            await until(lambda: app.screen.styles.background == Color.parse(theme.background), theme.name)
 
 
 def write(folder, name, text):
@@ -125,8 +133,11 @@ def test_default_user_folder_is_in_the_config_dir(tmp_path, monkeypatch):
 
 
 def test_theme_from_dict_accepts_every_theme_argument():
-    theme = theme_from_dict(
-        {"name": "full", "primary": "ansi_red", "luminosity_spread": 0.2, "text_alpha": 1, "ansi": True,
-         "variables": {"input-selection-background": "#ff0000 30%", "button-focus-text-style": "reverse"}}
-    )
-    assert theme.ansi and theme.text_alpha == 1
+    data = {"name": "full", "primary": "ansi_red", "secondary": "#00ff00", "warning": "yellow", "error": "red",
+            "success": "green", "accent": "blue", "foreground": "#eeeeee", "background": "#111111",
+            "surface": "#222222", "panel": "#333333", "boost": "#444444", "dark": True, "luminosity_spread": 0.2,
+            "text_alpha": 1, "ansi": True,
+            "variables": {"input-selection-background": "#ff0000 30%", "button-focus-text-style": "reverse"}}
+    assert set(data) == {field.name for field in fields(Theme)}
+    theme = theme_from_dict(data)
+    assert {key: getattr(theme, key) for key in data} == data

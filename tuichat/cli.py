@@ -112,8 +112,9 @@ def paths() -> None:
     """Print where tuichat keeps its files."""
     from tuichat import paths as p
     from tuichat.config import config_path
+    from tuichat.themes import bundled_themes_dir
 
-    click.echo(f"config:  {config_path()}\nthemes:  {p.config_dir() / 'themes'}\n"
+    click.echo(f"config:  {config_path()}\nthemes:  {p.config_dir() / 'themes'}\nbundled: {bundled_themes_dir()}\n"
                f"history: {p.data_dir() / 'history.sqlite3'}\ncache:   {p.cache_dir()}")
 
 

@@ -9,13 +9,14 @@ crash loses at most the last flush, never the file.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tuichat import paths
 
@@ -138,12 +139,19 @@ def _fts_query(text: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.path = path or paths.data_dir() / "history.sqlite3"
+        self._clock = clock  # the created/updated times; tests set it to see one change
         try:
+            # SQLite creates -wal and -shm with the main file's mode, so a 0600 file keeps them private; ones
+            # left by a crash of an older tuichat keep their mode and are tightened here.
+            os.close(paths.open_private(self.path, os.O_RDONLY))
+            for suffix in ("-wal", "-shm"):
+                with suppress(FileNotFoundError):
+                    paths.make_private(self.path.with_name(self.path.name + suffix))
             # isolation_level=None: autocommit; multi-statement changes use _transaction() explicitly.
             self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0)
-        except sqlite3.Error as error:
+        except (OSError, sqlite3.Error) as error:
             raise StoreError(f"{self.path} cannot be opened ({error}).") from error
         try:
             self._conn.execute("PRAGMA journal_mode = WAL")
@@ -200,7 +208,7 @@ class Store:
     def create_conversation(self, title: str, model: str) -> str:
         """A new conversation, open, as the last tab. Returns its id."""
         conversation_id = uuid.uuid4().hex
-        now = time.time()
+        now = self._clock()
         self._conn.execute(
             f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?)",
             (conversation_id, title, model, self._next_position(), now, now),
@@ -256,7 +264,7 @@ class Store:
     ) -> int:
         _check(role, ROLES, "role")
         _check(status, STATUSES, "status")
-        now = time.time()
+        now = self._clock()
         try:
             with self._transaction() as conn:
                 cursor = conn.execute(

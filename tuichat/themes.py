@@ -1,4 +1,5 @@
-"""Colour themes from TOML files: the bundled ones in <repo>/themes and the user's in <config dir>/themes.
+"""Colour themes from TOML files: the bundled ones (the top-level themes/ folder, installed as the package
+tuichat.bundled_themes) and the user's in <config dir>/themes.
 
 A file holds the keyword arguments of textual.theme.Theme. Each theme is checked as far as Textual would
 check it when applied, because Textual only fails later, when the app switches to it: a bad colour or
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 import tomllib
 from dataclasses import fields
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,16 @@ from textual.theme import Theme
 
 from tuichat import paths
 
-BUNDLED_THEMES_DIR = Path(__file__).resolve().parent.parent / "themes"
-
 _KEYS = [f.name for f in fields(Theme)]
 _COLOURS = ("primary", "secondary", "warning", "error", "success", "accent", "foreground", "background",
             "surface", "panel", "boost")
+
+
+def bundled_themes_dir() -> Traversable:
+    try:
+        return resources.files("tuichat.bundled_themes")
+    except ModuleNotFoundError:  # a checkout on sys.path that pip has not installed (or did before the mapping)
+        return Path(__file__).resolve().parent.parent / "themes"
 
 
 def user_themes_dir() -> Path:
@@ -82,19 +90,21 @@ def theme_from_dict(data: dict[str, Any]) -> Theme:
     return theme
 
 
-def load_themes(user_dir: Path | None = None) -> tuple[list[Theme], list[str]]:
+def load_themes(user_dir: Traversable | None = None) -> tuple[list[Theme], list[str]]:
     """The bundled themes, then the user's (default: user_themes_dir()); a user theme with the name of a
     bundled one replaces it in place. Returns the themes and a warning for each file skipped. Never raises."""
     themes: dict[str, Theme] = {}
     warnings: list[str] = []
-    folders = [BUNDLED_THEMES_DIR]
+    folders = [bundled_themes_dir()]
     try:
         folders.append(user_dir or user_themes_dir())
     except OSError as error:  # the config dir cannot be created
         warnings.append(f"Your themes cannot be loaded: {error}.")
     for folder in folders:
         try:
-            files = sorted(folder.glob("*.toml"))
+            files = sorted((f for f in folder.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
+        except FileNotFoundError:  # no user themes folder yet
+            continue
         except OSError as error:
             warnings.append(f"{folder}: themes cannot be listed ({error}).")
             continue

@@ -29,6 +29,7 @@ from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 from tuichat import paths
 from tuichat.backend import Backend, BackendError
 from tuichat.config import Config
+from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store
 from tuichat.themes import load_themes
 from tuichat.ui.chat import NEW_TITLE, ChatTab, sampling_key, stored_sampling
@@ -122,6 +123,9 @@ class TuichatApp(App[None]):
         super().__init__()
         self.config = config
         self.store = store
+        # The conversations this instance has as tabs: another tuichat on the same history leaves them alone.
+        self.locks = ConversationLocks(store.path.parent / "locks")
+        self._locks_failed = False
         self.clock = clock  # tests and screenshots pass a virtual clock so the meter's numbers are fixed
         self.paint_pacer = PaintPacer()
         self._backend_factory = backend_factory
@@ -138,9 +142,22 @@ class TuichatApp(App[None]):
     # --- start-up -----------------------------------------------------------------------------------
 
     def compose(self):
-        rows = self.store.conversations(open_only=True)
+        rows, elsewhere = [], []
+        for row in self.store.conversations(open_only=True):
+            owner = self._claim(row.id)
+            if owner is None:
+                rows.append(row)
+            else:
+                elsewhere.append((row.title, owner))
+        if elsewhere:
+            owners = ", ".join(sorted({str(owner) for _, owner in elsewhere}))
+            titles = ", ".join(f'"{title}"' for title, _ in elsewhere)
+            self.notify(
+                f"Open in {owners}, so not here: {titles}. Close them there to continue them here.",
+                title="Another tuichat", severity="warning", timeout=20,
+            )
         if not rows:
-            rows = [self.store.conversation(self.store.create_conversation(NEW_TITLE, self.config.model))]
+            rows = [self._new_conversation()]
         active = self.store.get_setting("active_conversation")
         initial = f"conv-{active}" if active in {row.id for row in rows} else f"conv-{rows[0].id}"
         with Horizontal(id="main"):
@@ -149,6 +166,24 @@ class TuichatApp(App[None]):
                     yield self._make_tab(row)
             yield EnginePanel(id="engine-panel")
         yield Footer()
+
+    def _claim(self, conversation_id: str) -> Owner | None:
+        """Hold the conversation for this instance (tuichat.locks); returns the other owner if there is one."""
+        try:
+            return self.locks.claim(conversation_id)
+        except OSError as error:  # no locks on this file system, say: go on unguarded, and say so once
+            if not self._locks_failed:
+                self._locks_failed = True
+                self.notify(
+                    f"Conversations cannot be locked ({error}); a second tuichat on this history could write "
+                    "into the same conversation.", title="History", severity="warning", timeout=20,
+                )
+            return None
+
+    def _new_conversation(self) -> ConversationRow:
+        row = self.store.conversation(self.store.create_conversation(NEW_TITLE, self.config.model))
+        self._claim(row.id)  # new, so nobody else holds it
+        return row
 
     def _make_tab(self, row: ConversationRow) -> ChatTab:
         sampling = stored_sampling(self.store.get_setting(sampling_key(row.id)), self.config.sampling)
@@ -228,6 +263,7 @@ class TuichatApp(App[None]):
     async def on_unmount(self) -> None:
         if self.backend is not None:
             await self.backend.close()
+        self.locks.release_all()  # after the replies cut short by quitting are saved
 
     # --- models -------------------------------------------------------------------------------------
 
@@ -369,14 +405,14 @@ class TuichatApp(App[None]):
         return tab
 
     async def action_new_tab(self) -> None:
-        conversation_id = self.store.create_conversation(NEW_TITLE, self.config.model)
-        tab = await self.open_tab(self.store.conversation(conversation_id))
+        tab = await self.open_tab(self._new_conversation())
         self._preload(tab.model)
 
     async def action_close_tab(self) -> None:
         tab = self.active_tab
         tab.stop()
         self.store.set_open(tab.conversation_id, False)
+        self.locks.release(tab.conversation_id)
         await self.tabbed.remove_pane(tab.id)
         self.notify(f'Closed "{tab.title}"; search (ctrl+f) finds it again.')
         if not self.tabs():
@@ -465,6 +501,14 @@ class TuichatApp(App[None]):
     async def open_conversation(self, conversation_id: str, message_id: int | None = None) -> None:
         tab = next((t for t in self.tabs() if t.conversation_id == conversation_id), None)
         if tab is None:
+            owner = self._claim(conversation_id)
+            if owner is not None:
+                title = self.store.conversation(conversation_id).title
+                self.notify(
+                    f'"{title}" is open in {owner}; close it there to continue it here.',
+                    title="Another tuichat", severity="warning", timeout=15,
+                )
+                return
             self.store.set_open(conversation_id, True)
             tab = await self.open_tab(self.store.conversation(conversation_id))
         else:
@@ -474,12 +518,11 @@ class TuichatApp(App[None]):
 
     def action_export(self) -> None:
         tab = self.active_tab
-        folder = paths.data_dir() / "exports"
         slug = re.sub(r"[^\w-]+", "-", tab.title).strip("-")[:40] or "conversation"
-        path = folder / f"{slug}-{tab.conversation_id[:8]}.md"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.store.export_markdown(tab.conversation_id), encoding="utf-8")
+            # As private as the history it copies (the file names hold the titles, too).
+            path = paths.private_dir(paths.data_dir() / "exports") / f"{slug}-{tab.conversation_id[:8]}.md"
+            paths.write_private(path, self.store.export_markdown(tab.conversation_id))
         except OSError as error:
             self.notify(f"Export failed: {error}", severity="error")
         else:
