@@ -1,7 +1,10 @@
 """Paged KV cache: a fixed pool of blocks, per-sequence block tables, and a prefix cache over them.
 
-A full block is identified by a hash chained over every token before it (hash(parent, tokens)), so two
-sequences share a block only when their whole prefixes match. Hashes are registered only once a block's
+A full block is identified by a digest chained over every token before it (blake2b of the parent's digest
+and the block's tokens), so two sequences share a block only when their whole prefixes match. A
+collision-resistant digest, not Python's hash(): with many clients on one cache, a crafted or unlucky
+collision of parent chains would hand one conversation another's KV (vLLM moved to sha256 after
+CVE-2025-25183 for the same reason). Hashes are registered only once a block's
 K/V is really computed (chunked prefill can leave a block allocated but not yet filled). Blocks whose ref
 count drops to zero keep their hash and stay findable until the pool needs them; they are reused oldest
 freed first (LRU), like vLLM's free-block queue.
@@ -9,12 +12,19 @@ freed first (LRU), like vLLM's free-block queue.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from tuichat.engine.request import Sequence
+
+
+def block_digest(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """The prefix cache's key of a full block: its tokens, chained to every block before it."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16, key=parent or b"").digest()
 
 
 class CacheFull(Exception):
@@ -25,7 +35,7 @@ class CacheFull(Exception):
 class Block:
     id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
@@ -38,7 +48,7 @@ class BlockManager:
         self.prefix_cache = prefix_cache
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.by_hash: dict[int, int] = {}
+        self.by_hash: dict[bytes, int] = {}
 
     # -- accounting -------------------------------------------------------------------------------------
     @property
@@ -70,7 +80,7 @@ class BlockManager:
         bs, hits, parent = self.block_size, [], None
         for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, tokens))
+            parent = block_digest(parent, tokens)
             block_id = self.by_hash.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -121,7 +131,7 @@ class BlockManager:
         while seq.num_hashed_blocks < seq.num_computed // bs:
             i = seq.num_hashed_blocks
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((seq.last_block_hash, tokens))
+            h = block_digest(seq.last_block_hash, tokens)
             block = self.blocks[seq.block_table[i]]
             # A twin computed by another sequence at the same time keeps the entry; ours stays private.
             if h not in self.by_hash:

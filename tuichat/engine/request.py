@@ -44,7 +44,7 @@ class Sequence:
     num_computed: int = 0  # tokens [0, num_computed) have their K/V in the cache
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
-    last_block_hash: int | None = None
+    last_block_hash: bytes | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     overtaken: int = 0  # later requests admitted while this one waited (the scheduler bounds it)
     finish_reason: str | None = None
