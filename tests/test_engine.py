@@ -96,6 +96,7 @@ def test_stress_32_requests_through_a_pool_too_small_for_four():
     engine = Engine(model, config=EngineConfig(num_blocks=14, max_batched_tokens=64))
     params = SamplingParams(max_tokens=16)
     seqs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
     assert all(s.finish_reason == "length" for s in seqs)
     for prompt, seq in list(zip(prompts, seqs))[::4]:  # a sample against generate keeps the test fast
         assert seq.completion_ids == hf_greedy(reference, prompt, 16)

@@ -41,20 +41,34 @@ def kernels(request, session_cache):
     cpu_kernel.load.cache_clear()
 
 
-def make(arch: str):
-    """(bf16 model for an engine, float32 reference with the same weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+# The families decoder.c takes, in head shapes the embedded model (head_dim 64, 3 query heads per KV head)
+# never exercises: head_dim 32 and 128, query heads per KV head 1, 2, 4 and 8 (multi-head, GQA, near-MQA).
+HEADS = {
+    "llama": {},  # 4 heads of 32 over 2 KV heads
+    "qwen2": {},  # with q/k/v biases
+    "llama-d128-g1": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128),
+    "mistral-d128-g4": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, sliding_window=None),
+    "qwen2-d32-g8": dict(num_attention_heads=8, num_key_value_heads=1),
+}
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    config = config_cls(**SHAPE)
+
+def make(arch: str):
+    """(bf16 model for an engine, float32 reference with the same weights); `arch` is a key of HEADS."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = arch.split("-")[0]
+    overrides = {**SHAPE, **HEADS.get(arch, {})}
+    if family == "qwen2" and "num_attention_heads" in HEADS.get(arch, {}):
+        overrides["hidden_size"] = 32 * overrides["num_attention_heads"]  # Qwen2 derives head_dim from it
+    config = AutoConfig.for_model(family, **overrides)
     torch.manual_seed(1)
-    reference = model_cls(copy.deepcopy(config)).eval()
-    if arch == "qwen2":  # its q/k/v biases start at zero; give them values so the bias path is exercised
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    if family == "qwen2":  # its q/k/v biases start at zero; give them values so the bias path is exercised
         with torch.no_grad():
             for layer in reference.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
-    model = model_cls(copy.deepcopy(config)).eval()
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
     model.load_state_dict(reference.state_dict())
     return model.to(torch.bfloat16), reference
 
@@ -94,7 +108,7 @@ def reference_logits(reference) -> list[torch.Tensor]:
     return [torch.stack(r) for r in rows]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", list(HEADS))
 def test_as_close_to_float32_as_transformers_bf16(kernels, arch):
     model, reference = make(arch)
     engine = Engine(model, config=EngineConfig(num_blocks=32))
@@ -118,15 +132,17 @@ def greedy(engine: Engine, prompts: list[list[int]], tokens: int = 12) -> list[l
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
 
 
-def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels):
+@pytest.mark.parametrize("arch", list(HEADS))
+def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, arch):
     """Exact token equality in bf16: every row takes the same arithmetic whatever else is in its step."""
-    model, _ = make("llama")
+    model, _ = make(arch)
     prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2]]
     alone = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False))
+    assert alone.layers == "C"
     expected = [greedy(alone, [p])[0] for p in prompts]
     alone.close()
 
-    model, _ = make("llama")
+    model, _ = make(arch)
     # 10-token budget: prompts are cut into chunks and share steps with the others' decodes.
     busy = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=10))
     seqs = [busy.submit(prompts[0], SamplingParams(max_tokens=12, temperature=0.0))]
@@ -245,3 +261,31 @@ def test_embedded_model_is_as_close_to_float32_as_transformers_bf16(kernels, smo
         errors[path] = torch.stack(total).mean()
     assert errors["C"] <= 1.5 * errors["transformers"], errors
     engine.close()
+
+
+def test_what_decoder_c_reads_is_checked_in_python_first(kernels, monkeypatch):
+    """decoder.c trusts the shapes it is given: a mismatch must be a refusal before the call, never a read
+    past an array. A rotary table narrower than the head (a partial rotary factor) keeps transformers' layers."""
+    model, _ = make("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=8))
+    assert engine.layers == "C"
+    rotary = model.model.rotary_emb
+    original = type(rotary).forward
+    plan = [StepChunk([1, 2, 3], 0, [0], True)]
+
+    def narrow(self, x, position_ids):
+        cos, sin = original(self, x, position_ids)
+        return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+
+    monkeypatch.setattr(type(rotary), "forward", narrow)
+    with pytest.raises(ValueError, match=r"rotary cos as a contiguous bf16 CPU tensor of shape \(3, 32\), got \(3, 16\)"):
+        engine.runner.native.execute(plan)
+    monkeypatch.setattr(type(rotary), "forward", original)
+    monkeypatch.setattr(model.model.embed_tokens, "forward", lambda ids: torch.zeros(len(ids), 128))
+    with pytest.raises(ValueError, match="hidden states as a contiguous bf16 CPU tensor.*torch.float32"):
+        engine.runner.native.execute(plan)
+    engine.close()
+    monkeypatch.undo()
+    monkeypatch.setattr(type(rotary), "forward", narrow)
+    assert native._rotary_width(make("llama")[0]) == 16
+    assert native.unsupported_reason(make("llama")[0], kernels, engine.attention) == "rotary embedding over 16 of 32 head dims"

@@ -188,6 +188,7 @@ class _Probe:
     def __init__(self, limit: int) -> None:
         self.limit = limit  # positions the mask is checked up to: the model's context length
         self.layers: dict[int, LayerAttention] = {}
+        self.devices: dict[int, torch.device] = {}  # where each layer computes its K/V
         self.shapes: set[tuple[int, int, int]] = set()  # (heads, kv_heads, head_dim) of each call
 
     def record(self, module, query, key, value, attention_mask, scaling, dropout, window, softcap, kwargs):
@@ -222,6 +223,7 @@ class _Probe:
         if problem:
             raise UnsupportedAttention(f"layer {layer}'s attention mask {problem}")
         self.layers[layer] = LayerAttention(window, float(softcap) if softcap is not None else None)
+        self.devices[layer] = key.device
         self.shapes.add((heads, kv_heads, dim))
         length = query.shape[2]
         mask = None
@@ -272,6 +274,7 @@ class ModelAttention:
     heads: int
     kv_heads: int
     head_dim: int
+    devices: list[torch.device]  # where each layer computes: its KV belongs there (device maps, offloading)
     token_ids: list[int]  # what the probe forward ran, at positions 0, 1, ...
     logits: torch.Tensor  # its last position's logits (float32): what a correct serving path must reproduce
 
@@ -306,7 +309,8 @@ def inspect(model, num_layers: int) -> ModelAttention:
     if len(probe.shapes) > 1:
         raise UnsupportedAttention(f"layers of different head shapes {sorted(probe.shapes)}")
     ((heads, kv_heads, head_dim),) = probe.shapes
-    return ModelAttention([probe.layers[i] for i in range(num_layers)], heads, kv_heads, head_dim, ids[0].tolist(),
+    return ModelAttention([probe.layers[i] for i in range(num_layers)], heads, kv_heads, head_dim,
+                          [probe.devices[i] for i in range(num_layers)], ids[0].tolist(),
                           out.logits[0, -1].float())
 
 

@@ -73,10 +73,12 @@ class Engine:
         local_kv_heads = kv_heads // config.tp  # each rank caches only its own heads
         num_blocks = config.num_blocks or self._default_num_blocks(num_layers, local_kv_heads, head_dim)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_cache)
-        layer_devices = self._layer_devices(num_layers)
         budget = config.max_batched_tokens or (8192 if self.device.type == "cuda" else 512)
         self.scheduler = Scheduler(self.blocks, budget, config.max_num_seqs, config.batching)
-        self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype, layer_devices)
+        # Each layer's KV where the layer computes: an accelerate device map spreads layers over GPUs, or
+        # offloads some to the CPU or disk and computes them on its execution device.
+        self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
+                          self.attention.devices)
         if config.tp > 1:
             from tuichat.engine import parallel
 
@@ -178,15 +180,6 @@ class Engine:
         else:
             budget = 512 * 2**20
         return max(1, budget // per_block)
-
-    def _layer_devices(self, num_layers: int) -> list[torch.device]:
-        """Each layer's KV lives where its weights are (accelerate device maps spread layers over GPUs)."""
-        device_map = getattr(self.model, "hf_device_map", None) or {}
-        devices = []
-        for i in range(num_layers):
-            where = next((d for name, d in device_map.items() if name.endswith(f"layers.{i}")), None)
-            devices.append(torch.device(f"cuda:{where}" if isinstance(where, int) else (where or self.device)))
-        return devices
 
     @property
     def capacity_tokens(self) -> int:

@@ -89,6 +89,8 @@ def speed_up_linears(model, kernel: CpuKernels | None = None) -> int:
             linears = [getattr(part, n, None) for n in names]
             if part is None or not all(isinstance(l, nn.Linear) for l in linears):
                 continue
+            if any(l.weight.device.type == "meta" for l in linears):
+                continue  # offloaded by accelerate: its hooks bring each linear's weights in when it runs
             group = FusedLinear(linears)
             part.add_module("fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
             for index, name in enumerate(names):
