@@ -161,6 +161,11 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, arch):
     assert cached.num_cached_tokens > 0
     assert cached.token_ids[len(prompts[2]):] == expected[2]
     busy.close()
+    # Six blocks cannot hold all three: preempted and recomputed, the replies stay the same.
+    model, _ = make(arch)
+    tight = Engine(model, config=EngineConfig(num_blocks=6))
+    assert greedy(tight, prompts) == expected and tight.scheduler.num_preemptions > 0
+    tight.close()
 
 
 def test_steps_beyond_512_rows_take_transformers_path(kernels, monkeypatch):

@@ -380,8 +380,9 @@ class TuichatApp(App[None]):
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         tab = event.pane
-        # The event may be stale (fast tab keys): focusing its prompt would switch back to it.
-        if isinstance(tab, ChatTab) and tab is self.tabbed.active_pane:
+        # The event may be stale (fast tab keys): focusing its prompt would switch back to it. It may also
+        # arrive while the app shuts down, its widgets already gone.
+        if isinstance(tab, ChatTab) and tab.is_attached and tab is event.tabbed_content.active_pane:
             self.screen.set_focus(tab.prompt)
             self.store.set_setting("active_conversation", tab.conversation_id)
             self.sub_title = self.model_name(tab.model)
