@@ -114,3 +114,28 @@ def test_ask_on_a_gpu_index_beyond_the_gpus_lists_the_ones_there(tmp_path, monke
     assert result.stderr == ("tuichat: --device cuda:7 is not available here: use auto, cpu, cuda, cuda:0 "
                              "(torch sees 1 CUDA GPU).\n")
     assert nothing_loaded(tmp_path)
+
+
+def embedded_gguf() -> Path:
+    from tuichat.catalog import embedded_gguf
+
+    return embedded_gguf()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_ask_on_a_truncated_or_corrupt_gguf_is_one_clear_line(tmp_path, damage):
+    original = embedded_gguf()
+    broken = tmp_path / "downloads" / "model.gguf"
+    broken.parent.mkdir()
+    if damage == "truncated":  # an interrupted download: the header whole, the tensors cut off
+        with original.open("rb") as source:
+            broken.write_bytes(source.read(50_000_000))
+        expected = (f"{broken} is truncated or corrupt: its tensors need {original.stat().st_size:,} bytes, "
+                    "the file has 50,000,000.")
+    else:
+        broken.write_bytes(bytes(range(256)) * 4096)
+        expected = f"{broken} is truncated or corrupt: it does not read as GGUF"
+    result = ask(tmp_path, "hi", "--model", str(broken), "--dtype", "float32", TUICHAT_CPU_KERNELS="0")
+    assert expected in one_clear_line(result)
+    models = tmp_path / "cache" / "models"
+    assert not [p for p in models.iterdir() if p.is_dir()]  # nothing converted, not even in part

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from tuichat.backend import BackendError, ProgressCallback
 from tuichat.catalog import ResolvedModel
@@ -86,6 +88,40 @@ def _dequantize_progress(progress: ProgressCallback | None, name: str):
         gguf_utils.tqdm = original
 
 
+class _CutShort(Exception):
+    def __init__(self, needed: int) -> None:
+        self.needed = needed
+
+
+class _SizedReader(GGUFReader):
+    """gguf's reader, which first checks that the tensor table fits the file: cut short, the reader would
+    fail on a numpy reshape, without saying how many bytes are missing."""
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        end = start_offs
+        for field in fields:  # a tensor's info: name length, name, dimension count, dimensions, type, offset
+            _, _, _, dims, ggml_type, offset = field.parts
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
+            end = max(end, start_offs + int(offset[0]) + math.prod(map(int, dims)) // block * block_bytes)
+        if end > len(self.data):
+            raise _CutShort(end)
+        super()._build_tensors(start_offs, fields)
+
+
+def check_gguf(gguf: Path) -> None:
+    """Refuse a .gguf cut short (an interrupted download or copy) or one that is not a GGUF file before
+    converting: transformers would fail on it with a numpy or struct error, after the ~20 s of reading."""
+    try:
+        _SizedReader(gguf)
+    except _CutShort as short:
+        raise BackendError(
+            f"{gguf} is truncated or corrupt: its tensors need {short.needed:,} bytes, the file has "
+            f"{gguf.stat().st_size:,}. Download or copy it again."
+        ) from None
+    except Exception as exc:  # bytes that are no GGUF fail the reader anywhere: magic, lengths, types
+        raise BackendError(f"{gguf} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
+
+
 def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
     """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
     assert model.converted_dir is not None
@@ -95,6 +131,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(model.source)
+    check_gguf(gguf)
     started = time.monotonic()
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
