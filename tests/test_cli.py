@@ -139,3 +139,33 @@ def test_ask_on_a_truncated_or_corrupt_gguf_is_one_clear_line(tmp_path, damage):
     assert expected in one_clear_line(result)
     models = tmp_path / "cache" / "models"
     assert not [p for p in models.iterdir() if p.is_dir()]  # nothing converted, not even in part
+
+
+def test_ask_shows_one_progress_display_ours_through_a_conversion_and_a_load(tmp_path):
+    """A fresh cache: the GGUF is converted, then loaded. transformers' own tqdm bars ("Loading weights",
+    "Writing model shards") would sit between our lines; only ours, and the stats line, may be there."""
+    result = ask(tmp_path, "Hi", "--max-tokens", "4", "--dtype", "float32", TUICHAT_CPU_KERNELS="0")
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    lines = stderr.splitlines()
+    assert "\r" not in stderr and "it/s" not in stderr and "█" not in stderr, stderr
+    assert all(line.startswith(("[tuichat] ", "tuichat: ")) for line in lines[:-1]), stderr
+    assert lines[-1].startswith("[smollm2-135m · cpu float32] TTFT"), stderr
+    stages = [line for line in lines if line.startswith("[tuichat] ")]
+    assert any("Dequantizing" in line for line in stages) and any("Converted" in line for line in stages)
+    assert stages[-1] == "[tuichat] Loaded smollm2-135m"
+
+
+def test_transformers_progress_switch_is_restored_after_a_load(tmp_path):
+    """The bars are off only while tuichat loads: transformers and the hub show them again afterwards."""
+    import torch
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from tests.conftest import make_tiny
+    from tuichat.catalog import resolve
+    from tuichat.engine import loader
+
+    make_tiny()[0].save_pretrained(tmp_path / "tiny")
+    loader.load(resolve(str(tmp_path / "tiny")), torch.device("cpu"), torch.float32, with_tokenizer=False)
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()

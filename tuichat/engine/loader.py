@@ -63,12 +63,36 @@ def report(progress: ProgressCallback | None, what: str, fraction: float | None 
 
 
 @contextmanager
+def _only_our_progress():
+    """transformers draws tqdm bars of its own on stderr ("Loading weights", "Writing model shards"):
+    between `ask`'s progress lines, and under the TUI, for stages our callback reports already. A hub
+    download keeps huggingface_hub's bars, the only progress it has."""
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():  # off already, or this is a nested call
+        yield
+        return
+    downloads = not hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # the hub's as well
+    if downloads:
+        hub.enable_progress_bars()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()  # the hub's as well
+        if not downloads:
+            hub.disable_progress_bars()
+
+
+@contextmanager
 def _dequantize_progress(progress: ProgressCallback | None, name: str):
-    """transformers reports its GGUF dequantization only as a tqdm bar on stderr, invisible in the TUI; for
-    the duration of the conversion, route that loop's progress to our callback (80-90 %, in quarters)."""
+    """transformers reports its GGUF dequantization only as a tqdm bar on stderr (not under its progress
+    switch), invisible in the TUI; for the duration of the conversion, route that loop's progress to our
+    callback (80-90 %, in quarters)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    if progress is None or not hasattr(gguf_utils, "tqdm"):
+    if not hasattr(gguf_utils, "tqdm"):
         yield
         return
 
@@ -77,7 +101,7 @@ def _dequantize_progress(progress: ProgressCallback | None, name: str):
         step = max(1, len(items) // 4)
         for i, item in enumerate(items):
             if i % step == 0:
-                progress(f"Dequantizing {name} (first use only)", 0.8 + 0.1 * i / len(items))
+                report(progress, f"Dequantizing {name} (first use only)", 0.8 + 0.1 * i / len(items))
             yield item
 
     original = gguf_utils.tqdm
@@ -122,6 +146,7 @@ def check_gguf(gguf: Path) -> None:
         raise BackendError(f"{gguf} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
 
 
+@_only_our_progress()
 def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
     """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
     assert model.converted_dir is not None
@@ -159,6 +184,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     return target
 
 
+@_only_our_progress()
 def load(
     model: ResolvedModel,
     device: torch.device,
