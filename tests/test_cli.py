@@ -67,7 +67,10 @@ def one_clear_line(result: subprocess.CompletedProcess) -> str:
 
 
 def nothing_loaded(tmp_path) -> bool:
-    return not (tmp_path / "cache" / "models").exists()  # the first load converts the model in there
+    """No model converted: the first load converts into a folder of cache/models (its hash index, a file
+    there, may be written before the load is refused)."""
+    models = tmp_path / "cache" / "models"
+    return not models.exists() or not any(path.is_dir() for path in models.iterdir())
 
 
 @pytest.mark.parametrize("encoding", [None, "utf-8:strict"])  # stdin's errors are surrogateescape or strict by locale
@@ -129,3 +132,57 @@ def test_ask_on_a_gpu_index_beyond_the_gpus_lists_the_ones_there(tmp_path, monke
     assert result.stderr == ("tuichat: --device cuda:7 is not available here: use auto, cpu, cuda, cuda:0 "
                              "(torch sees 1 CUDA GPU).\n")
     assert nothing_loaded(tmp_path)
+
+
+def embedded_gguf() -> Path:
+    from tuichat.catalog import embedded_gguf
+
+    return embedded_gguf()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_ask_on_a_truncated_or_corrupt_gguf_is_one_clear_line(tmp_path, damage):
+    original = embedded_gguf()
+    broken = tmp_path / "downloads" / "model.gguf"
+    broken.parent.mkdir()
+    if damage == "truncated":  # an interrupted download: the header whole, the tensors cut off
+        with original.open("rb") as source:
+            broken.write_bytes(source.read(50_000_000))
+        expected = (f"{broken} is truncated or corrupt: its tensors need {original.stat().st_size:,} bytes, "
+                    "the file has 50,000,000.")
+    else:
+        broken.write_bytes(bytes(range(256)) * 4096)
+        expected = f"{broken} is truncated or corrupt: it does not read as GGUF"
+    result = ask(tmp_path, "hi", "--model", str(broken), "--dtype", "float32", TUICHAT_CPU_KERNELS="0")
+    assert expected in one_clear_line(result)
+    assert nothing_loaded(tmp_path)  # not even in part
+
+
+def test_ask_shows_one_progress_display_ours_through_a_conversion_and_a_load(tmp_path):
+    """A fresh cache: the GGUF is converted, then loaded. transformers' own tqdm bars ("Loading weights",
+    "Writing model shards") would sit between our lines; only ours, and the stats line, may be there."""
+    result = ask(tmp_path, "Hi", "--max-tokens", "4", "--dtype", "float32", TUICHAT_CPU_KERNELS="0")
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    lines = stderr.splitlines()
+    assert "\r" not in stderr and "it/s" not in stderr and "█" not in stderr, stderr
+    assert all(line.startswith(("[tuichat] ", "tuichat: ")) for line in lines[:-1]), stderr
+    assert lines[-1].startswith("[smollm2-135m · cpu float32] TTFT"), stderr
+    stages = [line for line in lines if line.startswith("[tuichat] ")]
+    assert any("Dequantizing" in line for line in stages) and any("Converted" in line for line in stages)
+    assert stages[-1] == "[tuichat] Loaded smollm2-135m"
+
+
+def test_transformers_progress_switch_is_restored_after_a_load(tmp_path):
+    """The bars are off only while tuichat loads: transformers and the hub show them again afterwards."""
+    import torch
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from tests.conftest import make_tiny
+    from tuichat.catalog import resolve
+    from tuichat.engine import loader
+
+    make_tiny()[0].save_pretrained(tmp_path / "tiny")
+    loader.load(resolve(str(tmp_path / "tiny")), torch.device("cpu"), torch.float32, with_tokenizer=False)
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()

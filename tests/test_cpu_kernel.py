@@ -4,6 +4,12 @@ fallback when it cannot be built or is switched off."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,3 +163,89 @@ def test_a_first_build_is_announced(fresh_load, monkeypatch, tmp_path):
     cpu_kernel.load.cache_clear()
     assert not cpu_kernel.build_pending()  # and on disk for the next one
 
+
+
+@pytest.fixture
+def copied_build(fresh_load, session_cache, tmp_path, monkeypatch):
+    """This CPU's build, copied (modes kept) out of the session cache into a cache of this test's own: the
+    path of its library, not loaded from there yet."""
+    kernel, why = fresh_load()  # built into the session cache once, then reused
+    if kernel is None:
+        pytest.skip(f"no kernels here: {why}")
+    shutil.copytree(session_cache / "kernels", tmp_path / "cache" / "kernels")
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    fresh_load.cache_clear()
+    library = cpu_kernel._library_path(cpu_kernel._compiler(), cpu_kernel._flags())
+    assert library.is_file() and not cpu_kernel.build_pending()  # the copy is trusted as it is
+    return library
+
+
+def mapped_from(folder: Path) -> list[str]:
+    """The files under `folder` this process has mapped, as the kernel lists them ('... (deleted)' for a file
+    replaced since it was mapped)."""
+    return sorted({line.split(None, 5)[5] for line in Path("/proc/self/maps").read_text().splitlines()
+                   if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(str(folder))})
+
+
+def assert_works(kernel) -> None:
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    torch.testing.assert_close(kernel(x, w, None).float(), F.linear(x, w).float(), rtol=1 / 64, atol=1e-2)
+
+
+def test_a_tampered_library_is_rebuilt_not_loaded(copied_build, fresh_load):
+    with copied_build.open("ab") as library:
+        library.write(b"\0")
+    tampered = copied_build.stat().st_ino
+    kernel, why = fresh_load()
+    assert kernel is not None, why
+    assert copied_build.stat().st_ino != tampered
+    assert (copied_build.parent / "cpu_kernels.so.sha256").read_text().strip() == sha256(copied_build)
+    # What this process mapped is the new file; the tampered one never was (it would show as deleted).
+    assert mapped_from(copied_build.parent.parent) == [str(copied_build)]
+    assert_works(kernel)
+
+
+def test_a_library_others_could_write_or_that_is_not_ours_is_not_trusted(copied_build):
+    """build_pending() is load()'s own check: True means the next load rebuilds instead of loading."""
+    changes = {
+        "library group-writable": lambda: copied_build.chmod(0o720),
+        "library world-writable": lambda: copied_build.chmod(0o702),
+        "its folder group-writable": lambda: copied_build.parent.chmod(0o770),
+        "the kernels folder world-writable": lambda: copied_build.parent.parent.chmod(0o707),
+        "no recorded hash": lambda: (copied_build.parent / "cpu_kernels.so.sha256").unlink(),
+    }
+    if os.getuid() == 0:  # only root can give a file away
+        changes["library owned by someone else"] = lambda: os.chown(copied_build, 65534, -1)
+    for what, change in changes.items():
+        saved = [(p, p.stat().st_mode, p.stat().st_uid) for p in (copied_build, copied_build.parent,
+                                                                 copied_build.parent.parent)]
+        digest = (copied_build.parent / "cpu_kernels.so.sha256").read_text()
+        change()
+        assert cpu_kernel.build_pending(), what
+        for path, mode, uid in saved:
+            os.chown(path, uid, -1)
+            path.chmod(mode)
+        (copied_build.parent / "cpu_kernels.so.sha256").write_text(digest)
+        assert not cpu_kernel.build_pending(), f"{what}, undone"
+
+
+def test_an_untrusted_build_is_rebuilt_private_under_a_permissive_umask(copied_build, fresh_load):
+    copied_build.chmod(0o770)
+    copied_build.parent.parent.chmod(0o777)
+    before = copied_build.stat().st_ino
+    umask = os.umask(0)
+    try:
+        kernel, why = fresh_load()
+    finally:
+        os.umask(umask)
+    assert kernel is not None, why
+    assert copied_build.stat().st_ino != before
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (copied_build.parent.parent, copied_build.parent,
+                                                              copied_build, copied_build.parent / "cpu_kernels.so.sha256")}
+    assert modes == {"kernels": 0o700, copied_build.parent.name: 0o700, "cpu_kernels.so": 0o700,
+                     "cpu_kernels.so.sha256": 0o600}
+    assert_works(kernel)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

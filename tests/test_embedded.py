@@ -142,6 +142,22 @@ def test_ask_json_reports_usage(embedded):
     assert data["ttft_ms"] > 0
 
 
+def test_ask_says_when_the_kv_cache_cut_the_reply_short(embedded):
+    """A pool of 3 MiB holds 64 float32 tokens of this model: the story ends there, and says why."""
+    config = embedded[1].config
+    token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    capacity = 3 * 2**20 // (token_bytes * 16) * 16
+    result = run_cli("ask", "Tell me a long story about a dragon.", "--json", "--dtype", "float32",
+                     "--kv-cache-mb", "3")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["prompt_tokens"] + data["completion_tokens"] == capacity < data["prompt_tokens"] + 512
+    assert data["finish_reason"] == "length"
+    assert data["finish_detail"] == (f"the KV cache is full ({capacity} tokens): start a new conversation or "
+                                     "raise kv_cache_mb")
+    assert f"tuichat: the reply was cut short: {data['finish_detail']}.\n" in result.stderr
+
+
 def test_ask_reads_stdin_and_streams(embedded):
     result = run_cli("ask", "-", "--max-tokens", "8", input="What is the capital of France?")
     assert result.exit_code == 0, result.output

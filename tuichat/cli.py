@@ -185,7 +185,10 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             "tokens_per_s": usage.tokens_per_s,
             "e2e_ms": usage.e2e_ms,
             "finish_reason": usage.finish_reason,
+            "finish_detail": usage.finish_detail,
         }
+        if usage.finish_detail:  # "length" before max_tokens: say what filled up, and what to do
+            click.echo(f"tuichat: the reply was cut short: {usage.finish_detail}.", err=True)
         if as_json:
             click.echo(json.dumps(result))
         else:

@@ -1,6 +1,7 @@
 """tuichat's CPU kernels: the bf16 linear (amx_linear.c with AMX, vector_linear.c elsewhere) and the decoder
 layers built on it (decoder.c, driven by native.py). Compiled on first use, on the machine that runs them
-(-march=native), into the user cache dir, and loaded with ctypes.
+(-march=native), into a private (0700) folder of the user cache dir, with the library's sha256 beside it,
+and loaded with ctypes only if it is still those bytes, ours, and writable by no one else; else rebuilt.
 
 Why kernels of our own: a decode step is bound by reading the weights once, and for a few rows torch's CPU
 kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where the AMX one,
@@ -18,6 +19,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -100,16 +102,57 @@ def _library_path(compiler: str, flags: list[str]) -> Path:
     return cache_dir() / "kernels" / _build_key(compiler, tuple(flags)) / "cpu_kernels.so"
 
 
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _trusted(library: Path) -> bool:
+    """Whether `library` is the one we built: loading it runs its code in this process, so it, its folder
+    and the kernels folder must be ours and writable by no one else, and its bytes those we recorded."""
+    try:
+        for path in (library.parent.parent, library.parent, library):
+            info = path.lstat()
+            if info.st_uid != os.getuid() or info.st_mode & 0o022 or stat.S_ISLNK(info.st_mode):
+                return False
+        return _digest_path(library).read_text().strip() == _sha256(library)
+    except OSError:  # not built yet, or half removed
+        return False
+
+
 def _build(compiler: str, flags: list[str]) -> Path:
     target = _library_path(compiler, flags)
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: two processes may build at once
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
-            os.replace(built, target)
+    if _trusted(target):
+        return target
+    root = target.parent.parent
+    root.mkdir(mode=0o700, exist_ok=True)
+    root.chmod(0o700)  # private whatever the umask (or an older tuichat) made it
+    # Built in a folder of its own (mkdtemp: 0700), then swapped in whole: two processes may build at once,
+    # and a half-written or untrusted folder is never loaded from.
+    built = Path(tempfile.mkdtemp(dir=root))
+    try:
+        library = built / target.name
+        result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(library)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+        library.chmod(0o700)
+        _digest_path(library).write_text(_sha256(library) + "\n")
+        _digest_path(library).chmod(0o600)
+        if os.path.lexists(target.parent):  # stale or untrusted: out of the way first (renaming needs only root)
+            stale = built.with_name(built.name + ".stale")
+            os.replace(target.parent, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(built, target.parent)
+        except OSError:  # another process swapped its build in meanwhile: use that one if it checks out
+            if not _trusted(target):
+                raise
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
     return target
 
 
@@ -126,7 +169,7 @@ def build_pending() -> bool:
     compiler = _compiler()
     if load.cache_info().currsize or _switched_off() or compiler is None:
         return False
-    return not _library_path(compiler, _flags()).exists()
+    return not _trusted(_library_path(compiler, _flags()))
 
 
 @functools.cache

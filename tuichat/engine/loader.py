@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from tuichat.backend import BackendError, ProgressCallback
 from tuichat.catalog import ResolvedModel
@@ -61,12 +63,36 @@ def report(progress: ProgressCallback | None, what: str, fraction: float | None 
 
 
 @contextmanager
+def _only_our_progress():
+    """transformers draws tqdm bars of its own on stderr ("Loading weights", "Writing model shards"):
+    between `ask`'s progress lines, and under the TUI, for stages our callback reports already. A hub
+    download keeps huggingface_hub's bars, the only progress it has."""
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():  # off already, or this is a nested call
+        yield
+        return
+    downloads = not hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # the hub's as well
+    if downloads:
+        hub.enable_progress_bars()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()  # the hub's as well
+        if not downloads:
+            hub.disable_progress_bars()
+
+
+@contextmanager
 def _dequantize_progress(progress: ProgressCallback | None, name: str):
-    """transformers reports its GGUF dequantization only as a tqdm bar on stderr, invisible in the TUI; for
-    the duration of the conversion, route that loop's progress to our callback (80-90 %, in quarters)."""
+    """transformers reports its GGUF dequantization only as a tqdm bar on stderr (not under its progress
+    switch), invisible in the TUI; for the duration of the conversion, route that loop's progress to our
+    callback (80-90 %, in quarters)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    if progress is None or not hasattr(gguf_utils, "tqdm"):
+    if not hasattr(gguf_utils, "tqdm"):
         yield
         return
 
@@ -75,7 +101,7 @@ def _dequantize_progress(progress: ProgressCallback | None, name: str):
         step = max(1, len(items) // 4)
         for i, item in enumerate(items):
             if i % step == 0:
-                progress(f"Dequantizing {name} (first use only)", 0.8 + 0.1 * i / len(items))
+                report(progress, f"Dequantizing {name} (first use only)", 0.8 + 0.1 * i / len(items))
             yield item
 
     original = gguf_utils.tqdm
@@ -86,6 +112,41 @@ def _dequantize_progress(progress: ProgressCallback | None, name: str):
         gguf_utils.tqdm = original
 
 
+class _CutShort(Exception):
+    def __init__(self, needed: int) -> None:
+        self.needed = needed
+
+
+class _SizedReader(GGUFReader):
+    """gguf's reader, which first checks that the tensor table fits the file: cut short, the reader would
+    fail on a numpy reshape, without saying how many bytes are missing."""
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        end = start_offs
+        for field in fields:  # a tensor's info: name length, name, dimension count, dimensions, type, offset
+            _, _, _, dims, ggml_type, offset = field.parts
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
+            end = max(end, start_offs + int(offset[0]) + math.prod(map(int, dims)) // block * block_bytes)
+        if end > len(self.data):
+            raise _CutShort(end)
+        super()._build_tensors(start_offs, fields)
+
+
+def check_gguf(gguf: Path) -> None:
+    """Refuse a .gguf cut short (an interrupted download or copy) or one that is not a GGUF file before
+    converting: transformers would fail on it with a numpy or struct error, after the ~20 s of reading."""
+    try:
+        _SizedReader(gguf)
+    except _CutShort as short:
+        raise BackendError(
+            f"{gguf} is truncated or corrupt: its tensors need {short.needed:,} bytes, the file has "
+            f"{gguf.stat().st_size:,}. Download or copy it again."
+        ) from None
+    except Exception as exc:  # bytes that are no GGUF fail the reader anywhere: magic, lengths, types
+        raise BackendError(f"{gguf} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
+
+
+@_only_our_progress()
 def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
     """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
     assert model.converted_dir is not None
@@ -95,6 +156,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(model.source)
+    check_gguf(gguf)
     started = time.monotonic()
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -122,6 +184,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     return target
 
 
+@_only_our_progress()
 def load(
     model: ResolvedModel,
     device: torch.device,

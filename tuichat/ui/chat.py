@@ -55,22 +55,27 @@ class Past:
     status: str = "done"
     model: str = ""
     error: str | None = None
+    detail: str | None = None  # why the reply was cut short
 
     @classmethod
     def from_row(cls, row: MessageRow) -> Past:
-        return cls(row.role, row.content, row.id, row.status, row.meta.get("model", ""), row.meta.get("error"))
+        meta = row.meta
+        return cls(row.role, row.content, row.id, row.status, meta.get("model", ""), meta.get("error"),
+                   meta.get("finish_detail"))
 
     @classmethod
     def from_widget(cls, widget: UserMessage | AssistantMessage) -> Past:
         if isinstance(widget, UserMessage):
             return cls("user", widget.text, widget.message_id)
-        return cls("assistant", widget.text, widget.message_id, widget.status, widget.model, widget.error)
+        return cls("assistant", widget.text, widget.message_id, widget.status, widget.model, widget.error,
+                   widget.detail)
 
     def widget(self) -> UserMessage | AssistantMessage:
         if self.role == "user":
             return UserMessage(self.text, self.message_id)
         return AssistantMessage(
-            self.text, status=self.status, message_id=self.message_id, model=self.model, error=self.error
+            self.text, status=self.status, message_id=self.message_id, model=self.model, error=self.error,
+            detail=self.detail,
         )
 
 
@@ -95,12 +100,14 @@ class MessageLog(VerticalScroll):
 
 class AssistantMessage(Vertical):
     """A reply: Markdown (code highlighted by Textual's fences) that grows chunk by chunk while streaming,
-    then renders once in full; a status line when it stopped or failed."""
+    then renders once in full; a status line when it stopped, failed or was cut short (a full KV cache,
+    the context length)."""
 
     STATUS_LABELS = {"stopped": "⏹ stopped"}
 
     def __init__(
-        self, text: str, *, status: str, message_id: int, model: str, error: str | None = None
+        self, text: str, *, status: str, message_id: int, model: str, error: str | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(classes="message assistant", id=f"msg-{message_id}")
         self._chunks = [text] if text else []
@@ -108,6 +115,7 @@ class AssistantMessage(Vertical):
         self.message_id = message_id
         self.model = model
         self.error = error
+        self.detail = detail
         self._stream: MarkdownStream | None = None
         self._unpainted: list[str] = []  # streamed chunks not yet given to the Markdown widget
         self._paint_timer: Timer | None = None
@@ -169,8 +177,8 @@ class AssistantMessage(Vertical):
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
 
-    async def finish(self, status: str, error: str | None = None) -> None:
-        self.status, self.error = status, error
+    async def finish(self, status: str, error: str | None = None, detail: str | None = None) -> None:
+        self.status, self.error, self.detail = status, error, detail
         if self._paint_timer is not None:
             self._paint_timer.stop()
             self._paint_timer = None
@@ -187,12 +195,16 @@ class AssistantMessage(Vertical):
 
     def _show_status(self) -> None:
         status = self.query_one(".status", Static)
+        cut = self.status != "error" and self.detail is not None
         if self.status == "error":
             status.update(f"⚠ {self.error or 'failed'}")
+        elif cut:
+            status.update(f"✂ cut short: {self.detail}")
         else:
             status.update(self.STATUS_LABELS.get(self.status, ""))
         for name in ("stopped", "error"):
             self.set_class(self.status == name, f"-{name}")
+        self.set_class(cut, "-cut")
 
     def code_blocks(self) -> list[MarkdownFence]:
         return list(self.query(MarkdownFence))
@@ -530,7 +542,7 @@ class ChatTab(TabPane):
         if status == "stopped" and not reply.text:
             await self._take_back(reply, sent)
         else:
-            await reply.finish(status, error)
+            await reply.finish(status, error, usage.finish_detail if usage is not None else None)
         if error and self is not app.active_tab:  # out of sight: say which tab
             app.notify(error, title=f'Reply failed in "{self.title}"', severity="error")
         self._turn = None
@@ -571,6 +583,8 @@ class ChatTab(TabPane):
                 "completion_tokens": usage.completion_tokens,
                 "finish_reason": usage.finish_reason,
             }
+            if usage.finish_detail:
+                meta["finish_detail"] = usage.finish_detail
         if error:
             meta["error"] = error
         return meta
