@@ -153,8 +153,8 @@ def test_ask_says_when_the_kv_cache_cut_the_reply_short(embedded):
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data["prompt_tokens"] + data["completion_tokens"] == capacity < data["prompt_tokens"] + 512
     assert data["finish_reason"] == "length"
-    assert data["finish_detail"] == (f"the KV cache is full ({capacity} tokens): start a new conversation or "
-                                     "raise kv_cache_mb")
+    assert data["finish_detail"] == (f"the KV cache is full ({capacity} tokens); raise kv_cache_mb (--kv-cache-mb) "
+                                     "or shorten the conversation")
     assert f"tuichat: the reply was cut short: {data['finish_detail']}.\n" in result.stderr
 
 

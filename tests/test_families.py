@@ -209,3 +209,14 @@ def test_a_multimodal_model_serves_its_text_model_within_the_text_context_length
     (prompt,) = prompts_of([40], seed=6)
     (seq,) = engine.generate([prompt], SamplingParams(max_tokens=10))
     assert seq.completion_ids == hf_greedy(reference, prompt, 10)
+
+
+def test_an_unserved_family_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from tuichat.local import LocalBackend
+
+    _model("mamba").save_pretrained(tmp_path)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(BackendError, match="tuichat cannot run .*: the mamba family is not one tuichat has verified"):
+        LocalBackend().load_sync(str(tmp_path))

@@ -267,7 +267,7 @@ async def test_errors_show_in_the_tab_and_lose_nothing():
 
 
 async def test_a_reply_cut_short_says_why_and_still_does_after_a_restart():
-    detail = "the KV cache is full (64 tokens): start a new conversation or raise kv_cache_mb"
+    detail = "the KV cache is full (64 tokens); raise kv_cache_mb (--kv-cache-mb) or shorten the conversation"
     app, backend = make_app()
     backend.reported_usage = Usage(prompt_tokens=12, finish_reason="length", finish_detail=detail)
     async with app.run_test(size=SIZE) as pilot:

@@ -337,8 +337,8 @@ class Engine:
         elif seq.num_completion_tokens >= seq.params.max_tokens:
             self._finish(seq, "length", now)
         elif len(seq) >= self.capacity_tokens:
-            seq.finish_detail = (f"the KV cache is full ({self.capacity_tokens} tokens): start a new conversation "
-                                 "or raise kv_cache_mb")
+            seq.finish_detail = (f"the KV cache is full ({self.capacity_tokens} tokens); raise kv_cache_mb "
+                                 "(--kv-cache-mb) or shorten the conversation")
             self._finish(seq, "length", now)
         elif len(seq) >= self.max_model_len:
             seq.finish_detail = f"the reply reached {self.name}'s context length of {self.max_model_len} tokens"

@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from tuichat.backend import BackendError, ProgressCallback
 from tuichat.catalog import ResolvedModel
+from tuichat.engine import families
 from tuichat.engine.cpu_kernel import cpu_flags
 from tuichat.engine.heap import settle_heap
 
@@ -197,6 +198,7 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
+    refuse_unsupported(model.name, source)
     report(progress, f"Loading {model.name}", None)
     kwargs = {"dtype": dtype}
     if device_map:
@@ -215,6 +217,18 @@ def load(
     settle_heap()
     report(progress, f"Loaded {model.name}", 1.0)
     return weights, tokenizer
+
+
+def refuse_unsupported(name: str, source: str) -> None:
+    """Refuse a family tuichat does not serve from its config alone, before seconds or minutes of weights."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as exc:  # no config, or an architecture transformers does not know
+        raise BackendError(f"Could not load model '{name}': {exc}") from exc
+    if (why := families.unsupported(config)) is not None:
+        raise BackendError(f"tuichat cannot run {name}: {why}.")
 
 
 def stderr_progress(what: str, fraction: float | None) -> None:
