@@ -190,6 +190,7 @@ class _Probe:
         self.layers: dict[int, LayerAttention] = {}
         self.devices: dict[int, torch.device] = {}  # where each layer computes its K/V
         self.shapes: set[tuple[int, int, int]] = set()  # (heads, kv_heads, head_dim) of each call
+        self._masks: dict[tuple[int, int | None], str | None] = {}  # what _mask_problem said, per mask function
 
     def record(self, module, query, key, value, attention_mask, scaling, dropout, window, softcap, kwargs):
         layer = getattr(module, "layer_idx", None)
@@ -197,10 +198,9 @@ class _Probe:
             raise UnsupportedAttention(f"{type(module).__name__} does not say which layer it is (no layer_idx)")
         if layer in self.layers:
             raise UnsupportedAttention(f"layer {layer} runs attention twice in one forward")
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _METADATA)
-        if kwargs.get("is_causal") is False:
+        if kwargs.pop("is_causal", True) is not True:
             raise UnsupportedAttention("bidirectional (non-causal) attention")
-        unknown = [k for k in unknown if not (k == "is_causal" and kwargs[k] is True)]
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _METADATA)
         if unknown:
             raise UnsupportedAttention(f"attention arguments tuichat does not implement: {', '.join(unknown)}")
         if dropout:
@@ -219,8 +219,10 @@ class _Probe:
             raise UnsupportedAttention(f"{heads} query heads over {kv_heads} KV heads")
         if not isinstance(attention_mask, _MaskSpec) or attention_mask.function is None:
             raise UnsupportedAttention(f"layer {layer} builds its own attention mask")
-        problem = _mask_problem(attention_mask.function, window, self.limit)
-        if problem:
+        checked = (id(attention_mask.function), window)  # layers of one kind share their mask function
+        if checked not in self._masks:
+            self._masks[checked] = _mask_problem(attention_mask.function, window, self.limit)
+        if problem := self._masks[checked]:
             raise UnsupportedAttention(f"layer {layer}'s attention mask {problem}")
         self.layers[layer] = LayerAttention(window, float(softcap) if softcap is not None else None)
         self.devices[layer] = key.device
