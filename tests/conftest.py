@@ -53,6 +53,25 @@ async def until(condition, what: str, timeout: float = 5.0) -> None:
 # laptops (AVX2): each -march value with the CPU flags it needs to run here.
 CPU_BUILDS = {"native": set(), "cooperlake": {"avx512f", "avx512_bf16"}, "haswell": {"avx2", "fma"}}
 
+
+@pytest.fixture(scope="module", params=list(CPU_BUILDS))
+def kernels(request, session_cache):
+    """Every test runs on this CPU's build and on the others of CPU_BUILDS that it can run."""
+    from tuichat.engine import cpu_kernel
+
+    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
+        pytest.skip(f"this CPU cannot run a {request.param} build")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    patch.setenv("TUICHAT_CPU_ARCH", request.param)
+    cpu_kernel.load.cache_clear()
+    kernel, why = cpu_kernel.load()
+    if kernel is None:
+        pytest.skip(f"no kernels here: {why}")
+    yield kernel
+    patch.undo()
+    cpu_kernel.load.cache_clear()
+
 TINY = {
     "llama": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),

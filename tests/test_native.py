@@ -9,10 +9,9 @@ import copy
 import pytest
 import torch
 
-from tests.conftest import CPU_BUILDS
 
 from tuichat.backend import SamplingParams
-from tuichat.engine import cpu_kernel, native
+from tuichat.engine import native
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status
 from tuichat.engine.runner import StepChunk
@@ -22,23 +21,6 @@ from tuichat.engine.runner import StepChunk
 SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.08,
              eos_token_id=None, bos_token_id=None, pad_token_id=None)
-
-
-@pytest.fixture(scope="module", params=list(CPU_BUILDS))
-def kernels(request, session_cache):
-    """Every test runs on this CPU's build (AMX here) and on the others of CPU_BUILDS that it can run."""
-    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
-        pytest.skip(f"this CPU cannot run a {request.param} build")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
-    patch.setenv("TUICHAT_CPU_ARCH", request.param)
-    cpu_kernel.load.cache_clear()
-    kernel, why = cpu_kernel.load()
-    if kernel is None:
-        pytest.skip(f"no kernels here: {why}")
-    yield kernel
-    patch.undo()
-    cpu_kernel.load.cache_clear()
 
 
 # The families decoder.c takes, in head shapes the embedded model (head_dim 64, 3 query heads per KV head)

@@ -55,6 +55,14 @@ class CpuKernels:
         self._fn = library.cpu_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int]
+        library.quant_math.restype = ctypes.c_char_p
+        library.quant_math.argtypes = [ctypes.c_int, ctypes.c_int]
+        library.pack_blocks.restype = ctypes.c_int
+        library.pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self._any = library.any_linear
+        self._any.restype = ctypes.c_int
+        self._any.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [
+            ctypes.c_long] * 2 + [ctypes.c_int]
 
     @staticmethod
     def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -68,6 +76,33 @@ class CpuKernels:
             and out_features % 16 == 0
             and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_contiguous()))
         )
+
+    def quant_math(self, format: int, in_features: int) -> str:
+        """How the kernels compute a GGUF format: "int8 VNNI" and the like (inputs quantized per block of 32, as
+        llama.cpp does) or "fp32" (the weights dequantized in registers, the inputs as they are)."""
+        return self.library.quant_math(format, in_features).decode()
+
+    def pack(self, blocks, format: int, in_features: int) -> torch.Tensor:
+        """GGUF blocks (a C-contiguous uint8 array [N, K / 32 * block bytes]) in the order the kernels read them."""
+        out = torch.empty(blocks.shape, dtype=torch.uint8)
+        if self.library.pack_blocks(blocks.ctypes.data, format, blocks.shape[0], in_features, out.data_ptr()) != 0:
+            raise ValueError(f"the CPU kernels do not take format {format} with {in_features} inputs")
+        return out
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] bf16 with at most MAX_ROWS rows times a quant.PackedWeight (bf16 or GGUF blocks)."""
+        rows = x.reshape(-1, weight.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], weight.out_features, dtype=torch.bfloat16)
+        status = self._any(
+            rows.data_ptr(), weight.data.data_ptr(), weight.format, bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), rows.shape[0], weight.out_features, weight.in_features, rows.stride(0), weight.out_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"any_linear failed ({status}) for {tuple(rows.shape)} x {weight.format}")
+        return y.view(*x.shape[:-1], weight.out_features)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] with at most MAX_ROWS rows, bf16; weight passed `fits`."""
@@ -162,6 +197,11 @@ def _switched_off() -> bool:
 
 def _flags() -> list[str]:
     return [*_FLAGS, f"-march={os.environ.get('TUICHAT_CPU_ARCH', 'native')}"]
+
+
+def available() -> bool:
+    """Whether load() can be expected to give kernels (a compiler is there and they are not switched off)."""
+    return not _switched_off() and _compiler() is not None
 
 
 def build_pending() -> bool:

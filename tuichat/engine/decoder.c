@@ -208,7 +208,12 @@ static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width
     }
 }
 
-enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE, PER_LAYER };
+/* Per layer, in this order: addresses, and each linear's weight format (30 bf16, or a GGUF block type). */
+enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE,
+       QKV_FMT, O_FMT, GATE_UP_FMT, DOWN_FMT, PER_LAYER };
+
+int any_linear(const uint16_t *x, const void *w, int format, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads);
 
 /* hidden [rows, width] (the embeddings in, the last layer's output out); cos/sin [rows, dim];
  * layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds num_blocks
@@ -236,7 +241,7 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
         const uint64_t *p = layers + (long)l * PER_LAYER;
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
         rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
-        status |= cpu_linear(normed, (const uint16_t *)p[QKV_W], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
+        status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
         for (int t = 0; t < rows; t++) {
             uint16_t *row = qkv + (long)t * qkv_width;
             for (int h = 0; h < heads + kv_heads; h++) rotate(row + (long)h * dim, cos + (long)t * dim, sin + (long)t * dim, dim);
@@ -261,12 +266,12 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
             _tile_release();
 #endif
         }
-        status |= cpu_linear(attn, (const uint16_t *)p[O_W], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
+        status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
         add_into(hidden, tmp, (long)rows * width);
         rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
-        status |= cpu_linear(normed, (const uint16_t *)p[GATE_UP_W], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
+        status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
         silu_mul(gate_up, act, rows, inter, threads);
-        status |= cpu_linear(act, (const uint16_t *)p[DOWN_W], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
+        status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
         add_into(hidden, tmp, (long)rows * width);
     }
     free(normed); free(tmp); free(qkv); free(attn); free(gate_up); free(act); free(work);

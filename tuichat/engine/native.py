@@ -13,9 +13,11 @@ import ctypes
 
 import torch
 
+from tuichat.engine import quant
 from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
 from tuichat.engine.attention import ModelAttention
 from tuichat.engine.kv_cache import KVCache, ModelShape
+from tuichat.engine.quant import PackedWeight
 from tuichat.engine.runner import flatten
 
 # Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
@@ -64,6 +66,17 @@ def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         )
 
 
+def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> None:
+    if (weight.out_features, weight.in_features) != shape:
+        raise ValueError(f"decoder.c needs a {shape} weight in {what}, got {(weight.out_features, weight.in_features)}")
+    if weight.format == quant.BF16:
+        _check(weight.data, shape, what)
+    elif (tuple(weight.data.shape) != (shape[0], shape[1] // 32 * quant.BLOCK_BYTES[weight.format])
+          or weight.data.dtype is not torch.uint8 or not weight.data.is_contiguous()):
+        raise ValueError(f"decoder.c needs {quant.NAMES[weight.format]} blocks of a {shape} weight in {what}, got "
+                         f"{tuple(weight.data.shape)} {weight.data.dtype}")
+
+
 def _rotary_width(model) -> int:
     """How many dims transformers' rotary tables cover (a partial rotary factor makes it less than head_dim)."""
     probe = torch.zeros(1, 1, dtype=model.dtype)
@@ -72,51 +85,85 @@ def _rotary_width(model) -> int:
 
 
 class NativeDecoder:
-    def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels) -> None:
+    """`packed`: weights to serve as a GGUF file stores them (quant.from_gguf), by parameter name; the other
+    linears are read in bf16. With any packed weight the decoder runs every step, splitting one longer than
+    the kernels' 512 rows: transformers' layers then have no weights of their own to run."""
+
+    def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels,
+                 packed: dict[str, PackedWeight] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.shape = ModelShape.of(model.config)
+        self.kernel = kernel
+        packed = packed or {}
+        self.every_step = bool(packed)
         layers = model.model.layers
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.scale = layers[0].self_attn.scaling
         head = model.lm_head
         # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
-        self.lm_head = (lambda x: kernel(x, head.weight, head.bias)) if CpuKernels.fits(head.weight, head.bias) else head
+        self.head = packed.get("lm_head") or (PackedWeight.of(head.weight) if CpuKernels.fits(head.weight, head.bias) else None)
         self._fn = kernel.library.decoder_forward
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
             ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self.num_blocks = kv.k[0].shape[0] // block_size
-
-        def address(tensor: torch.Tensor | None) -> int:
-            return 0 if tensor is None else tensor.data_ptr()
-
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
                or l.self_attn.scaling != self.scale for l in layers):
             raise ValueError("decoder.c takes one norm epsilon and one attention scale for all layers")
         s = self.shape
         qkv, cache = (s.heads + 2 * s.kv_heads) * s.head_dim, (self.num_blocks * block_size, s.kv_heads, s.head_dim)
+        self.weights: list[PackedWeight] = []  # what each step reads, in decoder.c's order (and the lm_head)
         addresses = []
         for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
+
+            def linear(names: list[str], bf16) -> PackedWeight:
+                parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
+                joined = PackedWeight.cat(parts) if all(parts) else None
+                return joined or PackedWeight.of(bf16.weight)
+
+            weights = [linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], attn.fused_q_k_v),
+                       linear(["self_attn.o_proj"], attn.o_proj),
+                       linear(["mlp.gate_proj", "mlp.up_proj"], mlp.fused_gate_up),
+                       linear(["mlp.down_proj"], mlp.down_proj)]
+            for weight, shape in zip(weights, [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim),
+                                               (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]):
+                _check_weight(weight, shape, f"layer {i}")
+            qkv_w, o_w, gate_up_w, down_w = weights
             expected = [
-                (layer.input_layernorm.weight, (s.hidden,)), (attn.fused_q_k_v.weight, (qkv, s.hidden)),
-                (attn.fused_q_k_v.bias, (qkv,)), (attn.o_proj.weight, (s.hidden, s.heads * s.head_dim)),
-                (attn.o_proj.bias, (s.hidden,)), (layer.post_attention_layernorm.weight, (s.hidden,)),
-                (mlp.fused_gate_up.weight, (2 * s.intermediate, s.hidden)), (mlp.fused_gate_up.bias, (2 * s.intermediate,)),
-                (mlp.down_proj.weight, (s.hidden, s.intermediate)), (mlp.down_proj.bias, (s.hidden,)),
-                (kv.k[i], cache), (kv.v[i], cache),
+                (layer.input_layernorm.weight, (s.hidden,)), (qkv_w.data, None), (attn.fused_q_k_v.bias, (qkv,)),
+                (o_w.data, None), (attn.o_proj.bias, (s.hidden,)), (layer.post_attention_layernorm.weight, (s.hidden,)),
+                (gate_up_w.data, None), (mlp.fused_gate_up.bias, (2 * s.intermediate,)), (down_w.data, None),
+                (mlp.down_proj.bias, (s.hidden,)), (kv.k[i], cache), (kv.v[i], cache),
             ]
             for tensor, shape in expected:
-                if tensor is not None:
+                if tensor is not None and shape is not None:
                     _check(tensor, shape, f"layer {i}")
-            addresses += [tensor for tensor, _ in expected]
+            addresses += [0 if t is None else t.data_ptr() for t, _ in expected] + [w.format for w in weights]
+            self.weights += weights
+        if self.head is not None:
+            self.weights.append(self.head)
         # The parameters and the cache never move after this, so their addresses are taken once.
-        self._layers = torch.tensor([address(t) for t in addresses], dtype=torch.uint64)
+        self._layers = torch.tensor(addresses, dtype=torch.uint64)
 
-    @staticmethod
-    def accepts(num_rows: int) -> bool:
-        return 1 <= num_rows <= MAX_ROWS
+    @property
+    def formats(self) -> str:
+        """The weight formats a step reads, e.g. "Q4_1, Q8_0" or "bfloat16"."""
+        return ", ".join(sorted({quant.NAMES[w.format] for w in self.weights}))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of linear weights a decode step reads."""
+        return sum(w.bytes for w in self.weights)
+
+    def accepts(self, num_rows: int) -> bool:
+        return num_rows >= 1 and (self.every_step or num_rows <= MAX_ROWS)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return self.model.lm_head(x)
+        return self.kernel.linear(x, self.head, self.model.lm_head.bias)
 
     @torch.inference_mode()
     def execute(self, chunks) -> torch.Tensor | None:
@@ -139,14 +186,18 @@ class NativeDecoder:
         _check(hidden, (len(tokens), shape.hidden), "hidden states")
         _check(cos, (len(tokens), shape.head_dim), "rotary cos")
         _check(sin, (len(tokens), shape.head_dim), "rotary sin")
-        status = self._fn(
-            hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), position_ids.data_ptr(), table_offsets_t.data_ptr(),
-            tables_t.data_ptr(), len(tables), self.num_blocks, len(tokens), self._layers.data_ptr(), len(model.layers),
-            shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, self.block_size, self.eps,
-            self.scale, torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"decoder_forward failed ({status}) for {len(tokens)} rows")
+        # A longer step in pieces of MAX_ROWS, in order: a piece's rows find the K/V of the pieces before it
+        # in the cache, as they would their own.
+        for a in range(0, len(tokens), MAX_ROWS):
+            b = min(a + MAX_ROWS, len(tokens))
+            status = self._fn(
+                hidden[a:b].data_ptr(), cos[a:b].data_ptr(), sin[a:b].data_ptr(), position_ids[a:b].data_ptr(),
+                table_offsets_t[a:b].data_ptr(), tables_t.data_ptr(), len(tables), self.num_blocks, b - a,
+                self._layers.data_ptr(), len(model.layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
+            )
+            if status != 0:
+                raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
         if not sample_rows:
             return None
         last = model.norm(hidden[sample_rows])

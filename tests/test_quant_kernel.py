@@ -1,0 +1,110 @@
+"""The linear over GGUF-quantized weights (Q8_0, Q4_0, Q4_1), on every build this CPU can run: its result is the
+reference computation of its own method to bf16 rounding — the weights dequantized exactly with fp32 inputs
+(the "fp32" method), or the inputs quantized to int8 per block of 32 as llama.cpp does (the "int8" methods) —
+and a row's result does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tuichat.engine import quant
+
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def quantized(format: int, n: int, k: int, seed: int):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    return np.ascontiguousarray(quantize(weights, GGMLQuantizationType(format)))
+
+
+def decode(blocks: np.ndarray, format: int, k: int):
+    """(scale d, minimum m or None, integer quants q [N, K]) of GGUF blocks, read straight from the bytes."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 32, quant.BLOCK_BYTES[format])
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float64)[..., 0]
+    if format == 8:
+        return d, None, b[:, :, 2:].view(np.int8).astype(np.int64).reshape(n, k)
+    qs = b[:, :, 4 if format == 3 else 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64).reshape(n, k)
+    m = b[:, :, 2:4].copy().view(np.float16).astype(np.float64)[..., 0] if format == 3 else None
+    return d, m, q
+
+
+def reference(x: torch.Tensor, blocks: np.ndarray, format: int, k: int, method: str) -> np.ndarray:
+    """float64 result of the kernel's method."""
+    d, m, q = decode(blocks, format, k)
+    if format == 2:
+        q = q - 8
+    weights = (q.reshape(len(q), -1, 32) * d[..., None]).reshape(len(q), k)
+    if m is not None:
+        weights = weights + np.repeat(m, 32, axis=1)
+    xs = x.float().numpy().astype(np.float64)
+    if method == "fp32":
+        return xs @ weights.T
+    # int8: per input block, dx = max|x| / 127 (fp32), q_x = round-half-even(x * (1 / dx)) in fp32
+    xf = x.float().numpy().reshape(len(x), -1, 32)
+    dx = (np.abs(xf).max(axis=2) / np.float32(127)).astype(np.float32)
+    inverse = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    qx = np.rint(xf * inverse[..., None]).astype(np.int64)
+    qw = q.reshape(len(q), -1, 32)
+    dots = np.einsum("mbt,nbt->mnb", qx, qw).astype(np.float64)
+    out = np.einsum("mnb,nb,mb->mn", dots, d, dx.astype(np.float64))
+    if m is not None:
+        out += np.einsum("nb,mb->mn", m, dx.astype(np.float64) * qx.sum(axis=2))
+    return out
+
+
+def ulps_off(y: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray) -> np.ndarray:
+    """bf16 steps between y and the float64 result, widened by fp32 summation error where terms cancel."""
+    exact = torch.from_numpy(exact)
+    step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
+    return ((y.double() - exact).abs() / (step + torch.from_numpy(magnitude) * 2.0**-22)).round().numpy()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 576), (96, 1536), (32, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_quantized_linear_is_its_methods_reference_to_bf16_rounding(kernels, name, n, k, rows):
+    fmt = FORMATS[name]
+    blocks = quantized(fmt, n, k, seed=n * k + fmt)
+    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, n, k)
+    gen = torch.Generator().manual_seed(rows * 7 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    method = "fp32" if kernels.quant_math(fmt, k) == "fp32" else "int8"
+    if k % 64:
+        assert method == "fp32"  # the int8 layout pairs blocks
+    y = kernels.linear(x, weight, None)
+    exact = reference(x, blocks, fmt, k, method)
+    d, m, q = decode(blocks, fmt, k)
+    magnitude = np.abs(x.float().numpy()).astype(np.float64) @ (np.abs(q) * np.repeat(np.abs(d), 32, axis=1) + (
+        np.repeat(np.abs(m), 32, axis=1) if m is not None else 0)).T * k
+    off = ulps_off(y, exact, magnitude)
+    assert off.max() <= 1 and (off == 0).mean() >= 0.97, (method, off.max())
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_rows_result_does_not_depend_on_its_batch(kernels, name):
+    fmt, k = FORMATS[name], 576
+    blocks = quantized(fmt, 64, k, seed=fmt)
+    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, 64, k)
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    together = kernels.linear(x, weight, None)
+    for row in (0, 4, 13, 20):
+        assert torch.equal(kernels.linear(x[row : row + 1], weight, None)[0], together[row])
+    assert torch.equal(kernels.linear(x[5:9], weight, None), together[5:9])
+
+
+def test_a_bias_is_added_once(kernels):
+    fmt, k = FORMATS["Q4_1"], 128
+    blocks = quantized(fmt, 32, k, seed=9)
+    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, 32, k)
+    x = torch.randn(2, k).bfloat16()
+    bias = (torch.randn(32) * 4).bfloat16()
+    with_bias, without = kernels.linear(x, weight, bias), kernels.linear(x, weight, None)
+    assert (with_bias.float() - without.float() - bias.float()).abs().max() <= 0.02 * (bias.float().abs().max() + 1)
