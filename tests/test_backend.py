@@ -66,6 +66,49 @@ def test_concurrent_conversations_share_engine_steps(tiny_chat_model):
     assert stats.layers == "transformers"
 
 
+def test_no_thread_that_ran_torch_outlives_its_work(tiny_chat_model, monkeypatch):
+    """libgomp keeps an OpenMP pool for every live thread that ran a parallel region, and with more pool threads
+    than cores stops spinning between regions (every decode step then waits on futex wakes). So the load runs
+    on a thread that ends with it, not on the event loop's lasting executor, and an idle engine thread ends."""
+    import threading
+
+    from tuichat.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_EXIT_S", 0.2)
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+    ran = {"load": [], "step": []}
+    original_load = backend.load_sync
+
+    def recording_load(*args):
+        ran["load"].append(threading.current_thread())
+        return original_load(*args)
+
+    backend.load_sync = recording_load
+
+    async def run():
+        await backend.load()
+        engine = backend._loaded[tiny_chat_model].engine
+        original_step = engine.step
+
+        def recording_step():
+            ran["step"].append(threading.current_thread())
+            original_step()
+
+        engine.step = recording_step
+        await until(lambda: not ran["load"][0].is_alive(), "the loading thread to end", timeout=30)
+        replies = []
+        for turn in range(2):
+            replies.append(await collect(backend.stream(f"c{turn}", user("Hello"), SamplingParams(max_tokens=4))))
+            await until(lambda: not ran["step"][-1].is_alive(), "the idle engine thread to end", timeout=30)
+        await backend.close()
+        return replies
+
+    replies = asyncio.run(run())
+    assert all(r[-1].finished and r[-1].usage.completion_tokens == 4 for r in replies)
+    assert ran["load"][0] is not threading.main_thread()
+    assert ran["step"][0] is not ran["step"][-1]  # the second reply was served by a new engine thread
+
+
 def test_cancel_stops_the_reply_and_frees_its_blocks(tiny_chat_model):
     backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
 

@@ -4,6 +4,7 @@ caching or preemption, greedy output must equal transformers' `generate` token f
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -229,6 +230,52 @@ def test_eos_token_finishes_with_stop():
     (seq,) = engine.generate([prompt], GREEDY)
     assert seq.finish_reason == "stop"
     assert seq.completion_ids == expected[: expected.index(expected[4]) + 1]
+
+
+def test_an_idle_engine_thread_ends_and_the_next_submit_is_served(monkeypatch):
+    """The engine thread ends when idle (its OpenMP pool with it; see Engine.start). With no idle time at
+    all, every submit races a thread that is ending: each reply must still come, whole and right."""
+    import threading
+
+    from tuichat.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_EXIT_S", 0.0)
+    model, reference = make_tiny()
+    engine = Engine(model, config=EngineConfig(num_blocks=64))
+    engine.start()
+    params = SamplingParams(max_tokens=3)
+    prompts = prompts_of([5 + i % 7 for i in range(40)], seed=3)
+    expected = {tuple(p): hf_greedy(reference, p, 3) for p in prompts}
+    served_by = set()
+    try:
+        for pair in range(0, len(prompts), 2):  # two at a time, from two threads
+            results, done = {}, threading.Semaphore(0)
+
+            def send(prompt):
+                tokens = []
+
+                def on_output(out):
+                    served_by.add(threading.current_thread())  # the object: an ident may be reused
+                    tokens.extend(out.new_token_ids)
+                    if out.finished:
+                        results[tuple(prompt)] = tokens
+                        done.release()
+                engine.submit(prompt, params, on_output)
+
+            senders = [threading.Thread(target=send, args=(p,)) for p in prompts[pair:pair + 2]]
+            for sender in senders:
+                sender.start()
+            for _ in senders:
+                assert done.acquire(timeout=30), "a submit was lost to an ending engine thread"
+            assert all(results[tuple(p)] == expected[tuple(p)] for p in prompts[pair:pair + 2])
+            deadline = time.monotonic() + 30
+            while engine._thread is not None:  # idle: the thread ends (the next submit starts another)
+                assert time.monotonic() < deadline, "the idle engine thread did not end"
+                time.sleep(0.005)
+    finally:
+        engine.close()
+    assert len(served_by) > 1  # replies came from more than one engine thread: they did end in between
+    assert_free(engine)
 
 
 def test_engine_thread_serves_requests_and_reports_metrics():

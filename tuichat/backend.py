@@ -76,6 +76,7 @@ class EngineOptions:
     max_num_seqs: int = 64
     tp: int = 1
     device_map: str | None = None  # "auto": accelerate layer split over the visible GPUs
+    quant: Literal["auto", "none"] = "auto"  # auto: a GGUF's linears read in its own blocks where the C layers run
 
 
 @dataclass
@@ -130,6 +131,8 @@ class EngineStats:
     batching: str = "continuous"
     prefix_cache: bool = True
     matmul: str = ""  # decode-step kernels: "amx", or "torch (why not)"
+    weights: str = ""  # how a step reads the linears' weights: "bf16", or a GGUF's "Q4_1, Q8_0"
+    weight_bytes: int = 0  # bytes of weights a decode step reads
     layers: str = ""  # who runs the decoder layers of short steps: "C" (decoder.c), or "transformers (why)"
 
     @property

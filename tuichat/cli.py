@@ -25,6 +25,8 @@ def engine_options(func):
         click.option("--prefix-cache/--no-prefix-cache", default=None, help="Reuse KV of shared prefixes."),
         click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
         click.option("--device-map", default=None, help="'auto': accelerate layer split over the GPUs."),
+        click.option("--quant", type=click.Choice(["auto", "none"]), default=None,
+                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -178,6 +180,8 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             "model": name,
             "device": stats.device,
             "dtype": stats.dtype,
+            "weights": stats.weights,
+            "weight_mb": round(stats.weight_bytes / 2**20, 1),
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
             "completion_tokens": usage.completion_tokens,
@@ -195,8 +199,9 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             click.echo()
             ttft = f"{usage.ttft_ms:.0f} ms" if usage.ttft_ms is not None else "n/a"
             tps = f"{usage.tokens_per_s:.1f} tok/s" if usage.tokens_per_s else "n/a"
+            weights = f" · {stats.weights} weights" if stats.weights not in ("", stats.dtype) else ""
             click.echo(
-                f"[{name} · {stats.device} {stats.dtype}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
+                f"[{name} · {stats.device} {stats.dtype}{weights}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
                 f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens · "
                 f"finish: {usage.finish_reason} · wall {time.monotonic() - started:.2f} s",
                 err=True,

@@ -90,6 +90,9 @@ DEFAULT_CONFIG_TOML = """\
 # Split the model's layers over the visible GPUs with accelerate (auto | balanced | balanced_low_0 |
 # sequential). Unset: the whole model on `device`.
 # device_map = "auto"
+# A .gguf's linear weights: auto reads them in the file's own blocks (Q8_0, Q4_0, Q4_1) where tuichat's C
+# layers run (a third of the bytes of bf16 or less); none dequantizes them to bf16 at load.
+# quant = "auto"
 
 [keymap]
 # Rebind keys: binding id = keys, several keys separated by commas. Ids that contain dots need quotes.
@@ -160,6 +163,7 @@ _ENGINE = {
     "max_num_seqs": _int(1),
     "tp": _int(1),
     "device_map": _choice("auto", "balanced", "balanced_low_0", "sequential"),
+    "quant": _choice("auto", "none"),
 }
 
 _TABLES = ("sampling", "engine", "keymap")

@@ -11,6 +11,7 @@ torch is imported lazily, in `load`, so that importing this module costs nothing
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -128,7 +129,13 @@ class LocalBackend:
         if (loaded := self._ready(self._names.get(spec))) is not None:  # every reply calls load: stay on the loop
             loaded.last_used = time.monotonic()
             return self._names[spec]
-        return await asyncio.to_thread(self.load_sync, spec, progress)
+        # On a thread that ends with the load, not the loop's executor: a live thread that ran torch keeps an
+        # OpenMP pool, and the engine thread's must be the only one (see Engine.start).
+        loader_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tuichat-load")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(loader_thread, self.load_sync, spec, progress)
+        finally:
+            loader_thread.shutdown(wait=False)
 
     def load_sync(self, model: str, progress: ProgressCallback | None = None) -> str:
         resolved = catalog.resolve(model)
@@ -143,9 +150,10 @@ class LocalBackend:
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
             device = loader.resolve_device(self.options.device)
-            dtype = loader.resolve_dtype(self.options.dtype, device)
+            dtype = loader.resolve_dtype(self.options.dtype, device, loader.family(resolved, progress))
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)
             config = EngineConfig(
+                quant=self.options.quant,
                 kv_cache_mb=self.options.kv_cache_mb,
                 max_batched_tokens=self.options.max_batched_tokens,
                 max_num_seqs=self.options.max_num_seqs,
@@ -292,6 +300,8 @@ class LocalBackend:
             prefix_cache=self.options.prefix_cache,
             matmul=engine.matmul,
             layers=engine.layers,
+            weights=engine.weights,
+            weight_bytes=engine.weight_bytes,
         )
 
     async def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from tuichat.backend import BackendError, SamplingParams
-from tuichat.engine import attention, cpu_kernel, families, native
+from tuichat.engine import attention, cpu_kernel, families, native, quant
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.kv_cache import BlockManager, KVCache, ModelShape
@@ -24,6 +24,8 @@ from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
+
+IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,15 @@ class EngineConfig:
     prefix_cache: bool = True
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
+    quant: str = "auto"  # auto: a GGUF's linears served in its own blocks where the C layers run; none: bf16
+
+
+def _drop_bf16_linears(model) -> None:
+    """With the decoder layers served from packed weights, their bf16 copies are dead weight: free them. The
+    layers' modules stay, weightless; every step of such a model runs through decoder.c."""
+    for layer in model.model.layers:
+        for module in (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj):
+            module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -97,10 +108,13 @@ class Engine:
         # Which kernels short steps use, for the stats panel and the bench.
         self.matmul = "torch"
         self.layers = "transformers"
+        self.weights = f"{str(self.dtype).removeprefix('torch.')}"  # how the linear weights are stored
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kernel, packed = None, {}
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
-            kernel = None
             if self.device.type == "cpu" and self.dtype is torch.bfloat16:
                 kernel, self.matmul = cpu_kernel.load()
+            packed = self._gguf_weights(model, kernel, source)  # before fusion: by the model's own names
             # transformers' layers take our linear only where it beat torch's at every row count measured:
             # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
             speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
@@ -108,23 +122,28 @@ class Engine:
                 why_not = native.unsupported_reason(model, kernel, self.attention)
                 if why_not is None:
                     try:
-                        self.runner.native = native.NativeDecoder(model, self.kv, config.block_size, kernel)
-                        self.layers = "C"
+                        self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel))
                     except ValueError as exc:
                         why_not = str(exc)
                 if why_not is not None:
                     self.layers = f"transformers ({why_not})"
         try:
+            # With the model's own weights: what it checks is the model's structure. Packed weights are the
+            # kernels' business (tested apart), and their int8 inputs move the logits by more than rounding.
             self._check_serving_path(what)
         except BaseException:
             if hasattr(self.runner, "close"):
                 self.runner.close()  # tensor-parallel workers must not outlive a refused model
             raise
+        if packed and self.layers == "C":
+            self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel, packed))
+            _drop_bf16_linears(model)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the engine thread while it runs (see start)
+        self._started = False
         self._lock = threading.Lock()
         self._closed = False
         self.broken: str | None = None  # why the engine cannot serve any more (a tensor-parallel rank failed, ...)
@@ -148,6 +167,22 @@ class Engine:
                 f"{shape.head_dim}."
             )
         return found
+
+    def _use_decoder(self, decoder: native.NativeDecoder) -> None:
+        self.runner.native = decoder
+        self.layers = "C"
+        self.weights = decoder.formats
+        self.weight_bytes = decoder.weight_bytes
+
+    def _gguf_weights(self, model, kernel, source) -> dict:
+        """A GGUF model's linears in the file's own blocks, where the C layers will serve them (else {})."""
+        if (self.config.quant != "auto" or kernel is None or self.config.tp != 1 or getattr(source, "kind", None) != "gguf"
+                or getattr(model, "hf_device_map", None) or families.text_config(model.config).model_type
+                not in native.SUPPORTED_MODEL_TYPES):
+            return {}
+        converted = getattr(source, "converted_dir", None)
+        cache = converted / "tuichat-packed.safetensors" if converted is not None and converted.is_dir() else None
+        return quant.cached_from_gguf(source.source, model, kernel, cache)
 
     def _check_serving_path(self, what: str) -> None:
         """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that
@@ -215,11 +250,14 @@ class Engine:
             if self.broken is not None:
                 raise BackendError(self.broken)
             self._inbox.put(("add", seq))
+            self._spawn()
         self._wake.set()
         return seq
 
     def cancel(self, request_id: int) -> None:
-        self._inbox.put(("cancel", request_id))
+        with self._lock:
+            self._inbox.put(("cancel", request_id))
+            self._spawn()
         self._wake.set()
 
     def has_work(self) -> bool:
@@ -399,17 +437,36 @@ class Engine:
 
     # -- the thread -----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        """Serve submissions on an engine thread from now on. The thread ends after IDLE_EXIT_S without work
+        and the next submission starts another: libgomp keeps an OpenMP pool for every live thread that ever
+        ran a parallel region, and once the pools hold more threads than there are cores it stops spinning
+        between regions, so each of a step's hundreds of regions waits for a futex wake (a decode step then
+        costs about twice as much). An idle engine, or one of two loaded models, must not hold a pool."""
+        with self._lock:
+            self._started = True
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """With self._lock held: an engine thread, unless one runs (or the engine was not started or is closed)."""
+        if self._started and self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._loop, name=f"tuichat-engine-{self.name}", daemon=True)
             self._thread.start()
 
     def _loop(self) -> None:
         failures = 0  # in a row: an engine that fails step after step stops instead of spinning
+        idle_since = None
         while not self._closed:
             if not self.has_work():
-                self._wake.wait(0.5)
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= IDLE_EXIT_S:
+                    with self._lock:  # against submit: whatever it queued before this, this thread serves
+                        if not self._closed and not self.has_work():
+                            self._thread = None
+                            return
+                self._wake.wait(IDLE_EXIT_S / 2)
                 self._wake.clear()
                 continue
+            idle_since = None
             try:
                 self.step()
                 failures = 0
@@ -443,11 +500,12 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            thread = self._thread
         self._wake.set()
-        if self._thread is None:
+        if thread is None:
             self._shut_down()
         else:
-            self._thread.join(timeout=30)
+            thread.join(timeout=30)
 
     # -- synchronous helper for tests and benchmarks -----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

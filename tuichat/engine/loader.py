@@ -45,7 +45,8 @@ def resolve_device(option: str) -> torch.device:
     return device
 
 
-def resolve_dtype(option: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(option: str, device: torch.device, family: str | None = None) -> torch.dtype:
+    """`family`: the model's model_type, where known: on a CPU it decides whether tuichat's C layers will run."""
     if option != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[option]
@@ -53,9 +54,14 @@ def resolve_dtype(option: str, device: torch.device) -> torch.dtype:
             raise BackendError(f"Unknown dtype '{option}': use auto, float32, bfloat16 or float16.") from None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # bf16 halves the bytes a CPU decode step must read; only worth it with native bf16 dot products.
+    # bf16 halves the bytes a CPU decode step must read. torch gains from it only with native bf16 dot products;
+    # tuichat's C layers always do (they widen bf16, or read a GGUF's own blocks, and sum in fp32 or int8).
     native_bf16 = cpu_flags() & {"avx512_bf16", "amx_bf16"}
-    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and native_bf16 else torch.float32
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and native_bf16:
+        return torch.bfloat16
+    from tuichat.engine import cpu_kernel, native
+
+    return torch.bfloat16 if family in native.SUPPORTED_MODEL_TYPES and cpu_kernel.available() else torch.float32
 
 
 def report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:
@@ -219,8 +225,9 @@ def load(
     return weights, tokenizer
 
 
-def refuse_unsupported(name: str, source: str) -> None:
-    """Refuse a family tuichat does not serve from its config alone, before seconds or minutes of weights."""
+def refuse_unsupported(name: str, source: str) -> str:
+    """Refuse a family tuichat does not serve from its config alone, before seconds or minutes of weights;
+    returns the family's model_type."""
     from transformers import AutoConfig
 
     try:
@@ -229,6 +236,13 @@ def refuse_unsupported(name: str, source: str) -> None:
         raise BackendError(f"Could not load model '{name}': {exc}") from exc
     if (why := families.unsupported(config)) is not None:
         raise BackendError(f"tuichat cannot run {name}: {why}.")
+    return families.text_config(config).model_type
+
+
+def family(model: ResolvedModel, progress: ProgressCallback | None = None) -> str:
+    """The model's family (model_type), converting a GGUF first if it must; refuses one tuichat does not serve."""
+    source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
+    return refuse_unsupported(model.name, source)
 
 
 def stderr_progress(what: str, fraction: float | None) -> None:

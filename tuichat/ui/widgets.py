@@ -292,6 +292,7 @@ class EnginePanel(Vertical):
                 f"\n{stats.batching} batching",
                 f"\n{stats.matmul.partition(' (')[0]} matmul" if stats.matmul else "",
                 " · C layers" if stats.layers == "C" else "",
+                f"\n{stats.weights} weights · {stats.weight_bytes / 2**20:.0f} MB a step" if stats.weights else "",
             )
         )
         self.query_one("#engine-sched", Static).update(

@@ -1,0 +1,158 @@
+"""How close each way of serving a model stays to its float32 self: teacher-forced argmax agreement.
+
+    python scripts/fidelity.py [--model smollm2-135m] [--prompts 16] [--tokens 48] [--llama-server PATH]
+
+The float32 model (transformers, a plain forward) writes a greedy continuation of each held chat prompt; then
+each way is fed the very same tokens (teacher forcing: prompt as one prefill, then one decode step per token)
+and scores, at each position, whether its argmax is float32's, plus its mean |logit error|:
+- transformers bf16: the model's own bf16 forward;
+- tuichat bf16: the engine with --quant none (C layers where they run);
+- tuichat GGUF blocks: the engine with --quant auto (the file's own Q4_1/Q8_0 blocks, int8 dot products);
+- llama.cpp: the same GGUF through `llama-server` (its own process), one greedy token per position, its
+  prompt cache keeping the rest: teacher forcing by request. Skipped when no llama-server is given or found.
+A float32 argmax with a near tie is within noise of any of them: a position counts only when float32's top
+two logits differ by more than `--margin` (default 0), and the count of positions is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+CHATS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "List three fruits.",
+    "Explain photosynthesis briefly.", "How do I reverse a list in Python?", "Tell me a joke about cats.",
+    "What is 17 times 23?", "Name the planets of the solar system.", "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.", "Give me a recipe for pancakes.", "What causes earthquakes?",
+    "Describe a sunset in two sentences.", "What is a prime number?", "Suggest a name for a black cat.",
+    "How far away is the Moon?", "Write a limerick about a frog.", "What does a compiler do?",
+    "Summarize the plot of Cinderella.", "How do vaccines work?",
+]
+
+
+def engine_argmax(engine, sequences):
+    """Per sequence: (argmax ids, logits) at each continuation position, through the engine's serving path."""
+    import torch
+
+    from tuichat.engine.runner import StepChunk
+
+    out = []
+    for prompt, full in sequences:
+        blocks = list(range((len(full) + engine.config.block_size - 1) // engine.config.block_size))
+        logits = [engine.runner.execute([StepChunk(prompt, 0, blocks, True)])]
+        logits += [engine.runner.execute([StepChunk([full[i]], i, blocks, True)]) for i in range(len(prompt), len(full) - 1)]
+        out.append(torch.cat(logits).float())
+    return out
+
+
+def llama_server_argmax(binary: str, gguf: str, sequences, threads: int):
+    """Per sequence: llama.cpp's greedy next token at each continuation position (or None without a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(binary))
+    server = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                               "-c", "4096", "-np", "1", "--no-warmup"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("llama-server did not come up")
+            time.sleep(0.2)
+        out = []
+        for prompt, full in sequences:
+            picks = []
+            for i in range(len(prompt), len(full)):
+                body = json.dumps({"prompt": full[:i], "n_predict": 1, "temperature": 0, "top_k": 1,
+                                   "cache_prompt": True, "return_tokens": True}).encode()
+                request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as r:
+                    reply = json.loads(r.read())
+                picks.append(reply["tokens"][0])
+            out.append(picks)
+        return out
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--llama-server", default=os.environ.get("TUICHAT_LLAMA_SERVER") or shutil.which("llama-server"))
+    args = parser.parse_args()
+
+    import torch
+
+    from tuichat import catalog
+    from tuichat.engine import loader
+    from tuichat.engine.engine import Engine, EngineConfig
+
+    torch.manual_seed(0)
+    resolved = catalog.resolve(args.model)
+    cpu = torch.device("cpu")
+    reference, tokenizer = loader.load(resolved, cpu, torch.float32)
+    chats = [CHATS[i % len(CHATS)] for i in range(args.prompts)]
+    sequences, ref_logits = [], []
+    with torch.inference_mode():
+        for chat in chats:
+            prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"])
+            full = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                                      pad_token_id=0)[0].tolist()
+            sequences.append((prompt, full))
+            ref_logits.append(reference(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float())
+        counted = []
+        for logits in ref_logits:
+            top2 = logits.topk(2).values
+            counted.append((top2[:, 0] - top2[:, 1]) > args.margin)
+    positions = int(sum(c.sum() for c in counted))
+
+    def score(name: str, picks, logits=None, note: str = "") -> None:
+        agree = sum(int(((p == r.argmax(-1)) & c).sum()) for p, r, c in zip(picks, ref_logits, counted))
+        error = "" if logits is None else f"  mean |logit error| {torch.cat([(a - b).abs().mean(-1) for a, b in zip(logits, ref_logits)]).mean():.3f}"
+        print(f"{name:<28} {100 * agree / positions:6.2f} % argmax agreement{error}{note}")
+
+    print(f"{args.model}: {len(sequences)} prompts x {args.tokens} float32 greedy tokens; {positions} positions "
+          f"(float32 top-2 gap > {args.margin})")
+    score("float32 (reference)", [r.argmax(-1) for r in ref_logits], ref_logits)
+    with torch.inference_mode():
+        bf16 = reference.to(torch.bfloat16)
+        logits = [bf16(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float() for prompt, full in sequences]
+        score("transformers bf16", [l.argmax(-1) for l in logits], logits)
+        del bf16, reference
+    for quant in ("none", "auto"):
+        model, _ = loader.load(resolved, cpu, loader.resolve_dtype("auto", cpu, loader.family(resolved)), with_tokenizer=False)
+        engine = Engine(model, tokenizer, EngineConfig(quant=quant, prefix_cache=False), name=resolved.name, source=resolved)
+        with torch.inference_mode():
+            logits = engine_argmax(engine, sequences)
+        score(f"tuichat {engine.weights}", [l.argmax(-1) for l in logits], logits, f"  (layers {engine.layers})")
+        engine.close()
+    if resolved.kind == "gguf" and args.llama_server:
+        picks = llama_server_argmax(args.llama_server, resolved.source, sequences, torch.get_num_threads())
+        score("llama.cpp (same GGUF)", [torch.tensor(p) for p in picks])
+    else:
+        print("llama.cpp: skipped (no llama-server: --llama-server PATH or TUICHAT_LLAMA_SERVER)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
