@@ -57,6 +57,8 @@ class CpuKernels:
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int]
         library.quant_math.restype = ctypes.c_char_p
         library.quant_math.argtypes = [ctypes.c_int, ctypes.c_int]
+        library.pack_layout.restype = ctypes.c_char_p
+        library.pack_layout.argtypes = [ctypes.c_int, ctypes.c_int]
         library.pack_blocks.restype = ctypes.c_int
         library.pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         self._any = library.any_linear
@@ -81,6 +83,10 @@ class CpuKernels:
         """How the kernels compute a GGUF format: "int8 VNNI" and the like (inputs quantized per block of 32, as
         llama.cpp does) or "fp32" (the weights dequantized in registers, the inputs as they are)."""
         return self.library.quant_math(format, in_features).decode()
+
+    def layout(self, format: int, in_features: int) -> str:
+        """How pack() lays out `format` with `in_features` inputs: "tiles", "pairs" or "rows"."""
+        return self.library.pack_layout(format, in_features).decode()
 
     def pack(self, blocks, format: int, in_features: int) -> torch.Tensor:
         """GGUF blocks (a C-contiguous uint8 array [N, K / 32 * block bytes]) in the order the kernels read them."""

@@ -36,6 +36,23 @@ static void add_into(uint16_t *x, const uint16_t *y, long n) {
     for (long i = 0; i < n; i += LANES) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
 }
 
+/* The same two for a residual stream kept in fp32 (as llama.cpp keeps its activations), for weights served
+ * in a GGUF's own blocks: there is no bf16 model to mirror, only the float32 one the file dequantizes to. */
+static void rms_norm_f32(const float *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps) {
+    for (int t = 0; t < rows; t++) {
+        const float *row = x + (long)t * width;
+        vf squares = {};
+        for (int i = 0; i < width; i += LANES) { vf v = load_f32(row + i); squares += v * v; }
+        vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
+        for (int i = 0; i < width; i += LANES)
+            store_bf16(out + (long)t * width + i, load_f32(row + i) * scale * load_bf16(weight + i));
+    }
+}
+
+static void add_into_f32(float *x, const uint16_t *y, long n) {
+    for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_bf16(y + i));
+}
+
 /* q * cos + rotate_half(q) * sin over one head, each product and the sum rounded as torch does. */
 static void rotate(uint16_t *head, const uint16_t *cos, const uint16_t *sin, int dim) {
     int half = dim / 2;
@@ -215,10 +232,11 @@ enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W
 int any_linear(const uint16_t *x, const void *w, int format, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                long x_stride, long y_stride, int threads);
 
-/* hidden [rows, width] (the embeddings in, the last layer's output out); cos/sin [rows, dim];
+/* hidden [rows, width] (the embeddings in, the last layer's output out): bf16, rounded where transformers
+ * rounds, or with `fp32_residual` fp32 (the residual stream unrounded; see rms_norm_f32); cos/sin [rows, dim];
  * layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds num_blocks
  * blocks. 0 on success, -3 for a block table or position outside the cache. */
-int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, const int32_t *pos,
+int decoder_forward(void *hidden, int fp32_residual, const uint16_t *cos, const uint16_t *sin, const int32_t *pos,
                     const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
                     const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
                     int block_size, float eps, float scale, int threads) {
@@ -240,7 +258,8 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
     for (int l = 0; l < num_layers && status == 0; l++) {
         const uint64_t *p = layers + (long)l * PER_LAYER;
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
-        rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
+        if (fp32_residual) rms_norm_f32(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
+        else rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
         status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
         for (int t = 0; t < rows; t++) {
             uint16_t *row = qkv + (long)t * qkv_width;
@@ -267,12 +286,15 @@ int decoder_forward(uint16_t *hidden, const uint16_t *cos, const uint16_t *sin, 
 #endif
         }
         status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
-        add_into(hidden, tmp, (long)rows * width);
-        rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
+        if (fp32_residual) add_into_f32(hidden, tmp, (long)rows * width);
+        else add_into(hidden, tmp, (long)rows * width);
+        if (fp32_residual) rms_norm_f32(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
+        else rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
         status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
         silu_mul(gate_up, act, rows, inter, threads);
         status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
-        add_into(hidden, tmp, (long)rows * width);
+        if (fp32_residual) add_into_f32(hidden, tmp, (long)rows * width);
+        else add_into(hidden, tmp, (long)rows * width);
     }
     free(normed); free(tmp); free(qkv); free(attn); free(gate_up); free(act); free(work);
     return status;

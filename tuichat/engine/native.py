@@ -58,10 +58,10 @@ def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttenti
     return None
 
 
-def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-    if tuple(tensor.shape) != shape or tensor.dtype is not torch.bfloat16 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+def _check(tensor: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    if tuple(tensor.shape) != shape or tensor.dtype is not dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError(
-            f"decoder.c needs {what} as a contiguous bf16 CPU tensor of shape {shape}, got "
+            f"decoder.c needs {what} as a contiguous {'bf16' if dtype is torch.bfloat16 else dtype} CPU tensor of shape {shape}, got "
             f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
         )
 
@@ -105,7 +105,7 @@ class NativeDecoder:
         self.head = packed.get("lm_head") or (PackedWeight.of(head.weight) if CpuKernels.fits(head.weight, head.bias) else None)
         self._fn = kernel.library.decoder_forward
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
             ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self.num_blocks = kv.k[0].shape[0] // block_size
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
@@ -177,13 +177,15 @@ class NativeDecoder:
         model = self.model.model
         hidden = model.embed_tokens(torch.tensor(tokens))  # a fresh tensor: decoder.c updates it in place
         position_ids = torch.tensor(positions)
-        cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))
+        cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))  # bf16, from hidden's
+        if self.every_step:  # a GGUF's own blocks: the residual stream in fp32 (see decoder.c's rms_norm_f32)
+            hidden = hidden.float()
         position_ids = position_ids.int()
         table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
         tables_t = torch.tensor(tables, dtype=torch.int32)
         shape = self.shape
         # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
-        _check(hidden, (len(tokens), shape.hidden), "hidden states")
+        _check(hidden, (len(tokens), shape.hidden), "hidden states", torch.float32 if self.every_step else torch.bfloat16)
         _check(cos, (len(tokens), shape.head_dim), "rotary cos")
         _check(sin, (len(tokens), shape.head_dim), "rotary sin")
         # A longer step in pieces of MAX_ROWS, in order: a piece's rows find the K/V of the pieces before it
@@ -191,7 +193,7 @@ class NativeDecoder:
         for a in range(0, len(tokens), MAX_ROWS):
             b = min(a + MAX_ROWS, len(tokens))
             status = self._fn(
-                hidden[a:b].data_ptr(), cos[a:b].data_ptr(), sin[a:b].data_ptr(), position_ids[a:b].data_ptr(),
+                hidden[a:b].data_ptr(), int(self.every_step), cos[a:b].data_ptr(), sin[a:b].data_ptr(), position_ids[a:b].data_ptr(),
                 table_offsets_t[a:b].data_ptr(), tables_t.data_ptr(), len(tables), self.num_blocks, b - a,
                 self._layers.data_ptr(), len(model.layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                 shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
@@ -200,5 +202,5 @@ class NativeDecoder:
                 raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
         if not sample_rows:
             return None
-        last = model.norm(hidden[sample_rows])
-        return self.lm_head(last).float()
+        last = model.norm(hidden[sample_rows])  # fp32 in, fp32 out (the bf16 weight is promoted)
+        return self.lm_head(last.to(torch.bfloat16)).float()

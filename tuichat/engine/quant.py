@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
-PACK_VERSION = "1"  # of the cached layout: bump when CpuKernels.pack changes what it writes
+PACK_VERSION = "2"  # of the cached layout: bump when CpuKernels.pack changes what it writes
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0: bytes per block of 32 weights
 NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -116,11 +116,6 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
     return packed
 
 
-def _layout(kernel, format: int, in_features: int) -> str:
-    """The kernels lay a tensor out by how they compute it: int8 dot products pair its blocks."""
-    return "paired" if kernel.quant_math(format, in_features).startswith("int8") else "plain"
-
-
 def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dict[str, PackedWeight]:
     """from_gguf, remembered in `cache` (a safetensors file beside the converted model, which is keyed by the
     GGUF's content): reading the GGUF's metadata alone takes seconds, the packed weights load in milliseconds."""
@@ -139,7 +134,7 @@ def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dic
                         format, out_features, in_features = int(format), int(out_features), int(in_features)
                         weight = params.get(f"{name}.weight")
                         if (weight is None or tuple(weight.shape) != (out_features, in_features)
-                                or layout != _layout(kernel, format, in_features)):
+                                or layout != kernel.layout(format, in_features)):
                             packed = None
                             break
                         packed[name] = PackedWeight(file.get_tensor(name), format, out_features, in_features)
@@ -149,7 +144,7 @@ def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dic
             pass
     packed = from_gguf(path, model, kernel)
     if cache is not None and packed:
-        meta = {name: f"{w.format},{w.out_features},{w.in_features},{_layout(kernel, w.format, w.in_features)}"
+        meta = {name: f"{w.format},{w.out_features},{w.in_features},{kernel.layout(w.format, w.in_features)}"
                 for name, w in packed.items()}
         temporary = cache.with_name(cache.name + f".tmp-{os.getpid()}")
         try:

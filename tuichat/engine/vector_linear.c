@@ -458,14 +458,181 @@ static int int8_linear(const uint16_t *x, const uint8_t *w, int format, const ui
 static inline int int8_path(int format, int K) { (void)format; (void)K; return 0; }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* -- int8 dot products on 512-bit VNNI, tiles of 16 weight rows ------------------------------------------------------
+ * The same arithmetic as int8_linear (inputs quantized per block of 32, exact int32 block sums, the minimums'
+ * term), with the weights laid out so that one vector holds 4 consecutive quants of 16 rows: a dpbusd against
+ * 4 input quants broadcast from memory is 64 products, and one cvt and two fmadds per block scale 16 outputs.
+ * The pair layout above spends that per 8 outputs, a third of the products per instruction, which left
+ * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
+ * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), the 16 fp16 scales, then
+ * (Q4_1) the 16 fp16 minimums: the same bytes as GGUF's, tile by tile in the order they are read. */
+#define TILED_ROWS 16
+#define TILED_MR 6  /* input rows per pass over a tile: 6 accumulators, 8 weight vectors, of 32 registers */
+static inline int tiled_path(int K) { return K % 32 == 0; }
+
+static inline int tiled_block_bytes(int format) {
+    return format == FMT_Q8_0 ? 512 + 32 : format == FMT_Q4_1 ? 256 + 64 : 256 + 32;
+}
+
+/* Input rows [first, last): int8 quants in their own order (q, M x K), and per block dx and sx = dx * sum(q). */
+static void quantize_rows(const uint16_t *x, int first, int last, int K, long x_stride, int8_t *q, float *dx,
+                          float *sx) {
+    const int blocks = K / 32;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int m = first; m < last; m++)
+        for (int b = 0; b < blocks; b++) {
+            const uint16_t *p = x + (long)m * x_stride + b * 32;
+            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            float d = amax / 127.0f;
+            __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+            int8_t *out = q + (long)m * K + b * 32;
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(q0));  /* |q| <= 127: no saturation */
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(q1));
+            dx[(long)m * blocks + b] = d;
+            sx[(long)m * blocks + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
+                                                             const int8_t *q, const float *dx, const float *sx,
+                                                             int K, const uint16_t *bias, uint16_t *y,
+                                                             long y_stride, int n0, int m0, const int mr) {
+    const int quants = format == FMT_Q8_0 ? 512 : 256, bytes = tiled_block_bytes(format);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f);
+    __m512 acc[TILED_MR];
+    for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *block = tile + (long)b * bytes;
+        __m512i w[8];
+        if (format == FMT_Q8_0) {
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
+        } else {
+            for (int h = 0; h < 4; h++) {
+                __m512i v = _mm512_loadu_si512(block + 64 * h);
+                w[h] = _mm512_and_si512(v, low);
+                w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants)));
+        __m512 minimum = format == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants + 32)))
+                                            : _mm512_mul_ps(d, offset);
+        for (int j = 0; j < mr; j++) {
+            const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+            __m512i sums = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                int32_t four;
+                memcpy(&four, xq + 4 * g, 4);
+                sums = _mm512_dpbusd_epi32(sums, w[g], _mm512_set1_epi32(four));
+            }
+            long at = (long)(m0 + j) * blocks + b;
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(dx[at])), d, acc[j]);
+            acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
+        }
+    }
+    __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
+                      : _mm512_setzero_ps();
+    for (int j = 0; j < mr; j++) {  /* to bf16, nearest even, as to_bf16 */
+        __m512 v = _mm512_add_ps(acc[j], add);
+        __m512i u = _mm512_castps_si512(v);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+/* The quantized inputs of the calling thread's last call, grown as needed: no allocation per step. */
+static __thread struct { void *memory; size_t size; } scratch;
+
+static int tiled_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y, int M,
+                        int N, int K, long x_stride, long y_stride, int threads) {
+    const int blocks = K / 32;
+    const long tile_bytes = (long)blocks * tiled_block_bytes(format);
+    size_t need = (size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks;
+    if (need > scratch.size) {
+        free(scratch.memory);
+        scratch.memory = malloc(need);
+        scratch.size = scratch.memory ? need : 0;
+        if (!scratch.memory) return -2;
+    }
+    float *dx = scratch.memory, *sx = dx + (size_t)M * blocks;
+    int8_t *q = (int8_t *)(sx + (size_t)M * blocks);
+    const int full = M / TILED_MR * TILED_MR;
+    #pragma omp parallel num_threads(threads)
+    {
+    int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
+    quantize_rows(x, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
+    #pragma omp barrier
+    #pragma omp for schedule(dynamic, 2)
+    for (int t = 0; t < N / TILED_ROWS; t++) {
+        const uint8_t *tile = w + t * tile_bytes;
+        const int n0 = t * TILED_ROWS;
+#define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
+#define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
+#define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
+#define T_TILES(TILE) \
+    do { \
+        for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
+        switch (M - full) { \
+            case 1: TILE(1, full); break; case 2: TILE(2, full); break; case 3: TILE(3, full); break; \
+            case 4: TILE(4, full); break; case 5: TILE(5, full); break; default: break; \
+        } \
+    } while (0)
+        switch (format) {
+            case FMT_Q4_0: T_TILES(T4_0); break;
+            case FMT_Q4_1: T_TILES(T4_1); break;
+            default: T_TILES(T8_0); break;
+        }
+    }
+    }
+    return 0;
+}
+
+/* GGUF blocks into tiles (see above). */
+static void pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
+    const int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2;
+    const int quants = format == FMT_Q8_0 ? 512 : 256, out_bytes = tiled_block_bytes(format);
+    for (int t = 0; t < N / TILED_ROWS; t++)
+        for (int b = 0; b < blocks; b++) {
+            uint8_t *out = dst + ((long)t * blocks + b) * out_bytes;
+            for (int r = 0; r < TILED_ROWS; r++) {
+                const uint8_t *block = src + ((long)(t * TILED_ROWS + r) * blocks + b) * bytes;
+                memcpy(out + quants + 2 * r, block, 2);
+                if (format == FMT_Q4_1) memcpy(out + quants + 32 + 2 * r, block + 2, 2);
+                for (int i = 0; i < bytes - head; i++)  /* quant byte i: vector i / 4, lane r, byte i % 4 */
+                    out[64 * (i / 4) + 4 * r + i % 4] = format == FMT_Q8_0 ? (uint8_t)(block[head + i] ^ 0x80)
+                                                                           : block[head + i];
+            }
+        }
+}
+#else
+static inline int tiled_path(int K) { (void)K; return 0; }
+#endif
+
 /* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks. */
 static int quantized_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y,
                             int M, int N, int K, long x_stride, long y_stride, int threads) {
     if (M < 1 || M > 512 || K % 32 || N % 16 || !block_bytes(format) || K / 32 > MAX_BLOCKS) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (tiled_path(K)) return tiled_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+#endif
 #ifdef __AVX2__
     if (int8_path(format, K)) return int8_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
 #endif
     return dequantized_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+}
+
+/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
+const char *pack_layout(int format, int K) {
+    if (tiled_path(K)) return "tiles";
+    return int8_path(format, K) ? "pairs" : "rows";
 }
 
 /* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes: per
@@ -474,6 +641,13 @@ static int quantized_linear(const uint16_t *x, const uint8_t *w, int format, con
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
     if (!bytes || K % 32 || blocks > MAX_BLOCKS) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (tiled_path(K)) {
+        if (N % TILED_ROWS) return -1;
+        pack_tiles(src, format, N, K, dst);
+        return 0;
+    }
+#endif
     int paired = int8_path(format, K);
     for (long n = 0; n < N; n++) {
         const uint8_t *row = src + n * blocks * bytes;
@@ -518,6 +692,7 @@ int any_linear(const uint16_t *x, const void *w, int format, const uint16_t *bia
 /* How quantized_linear computes `format` with K inputs: "int8 VNNI", "int8 AVX-VNNI", "int8 maddubs" (inputs
  * quantized per block, as llama.cpp does), or "fp32" (weights dequantized in registers, inputs as they are). */
 const char *quant_math(int format, int K) {
+    if (tiled_path(K)) return "int8 VNNI";
     if (!int8_path(format, K)) return "fp32";
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return "int8 VNNI";
