@@ -119,7 +119,7 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
 def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dict[str, PackedWeight]:
     """from_gguf, remembered in `cache` (a safetensors file beside the converted model, which is keyed by the
     GGUF's content): reading the GGUF's metadata alone takes seconds, the packed weights load in milliseconds."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     if cache is not None and cache.is_file():
@@ -140,7 +140,7 @@ def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dic
                         packed[name] = PackedWeight(file.get_tensor(name), format, out_features, in_features)
                     if packed is not None:
                         return packed
-        except (OSError, ValueError, KeyError):  # unreadable or from another version: pack again
+        except (OSError, ValueError, KeyError, SafetensorError):  # unreadable, damaged or another version: pack again
             pass
     packed = from_gguf(path, model, kernel)
     if cache is not None and packed:
