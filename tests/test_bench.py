@@ -3,12 +3,15 @@ lengths, cache accounting, ordering of percentiles, rendering, CLI wiring): neve
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
+import os
+import shutil
 import sys
+import threading
 import types
+import urllib.request
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +25,7 @@ TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe
 FAST_PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch")
 
 REQUIRED = [
-    "model", "device", "dtype", "floor.decode_step_ms",
+    "model", "device", "dtype", "floor.tuichat.decode_step_ms", "floor.transformers.decode_step_ms",
     "scenarios.single.tuichat.ttft_ms", "scenarios.single.tuichat.decode_tokens_per_s",
     "scenarios.single.bare_forward_ms",
     "scenarios.tabs.tuichat.tokens_per_s", "scenarios.tabs.tuichat.ttft_ms_p50", "scenarios.tabs.tuichat.ttft_ms_p90",
@@ -49,22 +52,46 @@ def positive(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+TORCH_WORK = [(bench.HFPeer, name) for name in ("__init__", "bare_forward_ms", "generate", "static_batch", "generate_batch")]
+
+
 @pytest.fixture(scope="module")
 def run(embedded, session_cache):
-    """One tiny run of every scenario (the `embedded` fixture has converted the model into the session cache)."""
+    """One tiny run of every scenario (the `embedded` fixture has converted the model into the session cache),
+    with no llama-server to be found, recording the threads that ran bench torch work."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    mp.setenv("TUICHAT_LLAMA_SERVER", "/nonexistent/llama-server")
+    threads = {"torch": [], "engine_alive": [], "alive_while_tuichat_runs": []}
+
+    def recorded(fn):
+        def wrapper(*args, **kwargs):
+            threads["torch"].append(threading.current_thread())
+            threads["engine_alive"].append(any(t.name.startswith(bench.ENGINE_THREAD) for t in threading.enumerate()))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for owner, name in TORCH_WORK:
+        mp.setattr(owner, name, recorded(getattr(owner, name)))
+    mp.setattr(bench, "measure_bandwidth", recorded(bench.measure_bandwidth))
+    tuichat_run = bench._Tuichat.run
+
+    def checking_run(self, *args):
+        threads["alive_while_tuichat_runs"] += [t for t in threads["torch"] if t.is_alive()]
+        return tuichat_run(self, *args)
+
+    mp.setattr(bench._Tuichat, "run", checking_run)
     try:
         settings = bench.BenchSettings.make(True, peers=FAST_PEERS + ("llama_cpp",), **TINY)
         err = io.StringIO()
         result = bench.run_bench(settings, err)
     finally:
         mp.undo()
-    return result, err.getvalue()
+    return result, err.getvalue(), threads
 
 
 def test_json_has_every_required_key_with_sane_types(run):
-    result, _ = run
+    result = run[0]
     assert result["model"] == "smollm2-135m" and result["device"] == "cpu"
     assert result["dtype"] in ("bfloat16", "float32")
     for path in REQUIRED[3:]:
@@ -123,14 +150,127 @@ def test_interference_probes_while_others_decode(run):
     assert positive(inter["loaded_over_idle"])
 
 
-def test_llama_cpp_runs_when_installed_and_is_a_note_when_not(run):
-    result, _ = run
-    peer = result["scenarios"]["tabs"]["peers"]["llama_cpp"]
-    if importlib.util.find_spec("llama_cpp") is None:  # the embedded model is a .gguf: only the package can lack
-        assert "llama-cpp-python" in peer["skipped"] and peer["tokens_per_s"] is None
-        assert any("llama_cpp skipped" in note for note in bench.skipped_notes(result))
-    else:
-        assert "skipped" not in peer and positive(peer["tokens_per_s"])
+def test_no_llama_server_is_a_skip_note_with_a_build_hint(run):
+    result = run[0]
+    for scenario in ("single", "tabs", "multiturn"):
+        skipped = result["scenarios"][scenario]["peers"]["llama_cpp"]["skipped"]
+        assert "no executable llama-server at /nonexistent/llama-server" in skipped
+        assert "cmake --build build --target llama-server" in skipped and "GGML_AMX_TILE=OFF" in skipped
+    assert any(note.startswith("llama_cpp skipped: ") for note in bench.skipped_notes(result))
+    assert "llama_server" not in result["versions"]
+
+
+def test_the_llama_server_is_found_from_the_flag_the_environment_or_path(monkeypatch, tmp_path):
+    gguf = types.SimpleNamespace(kind="gguf", name="m")
+    monkeypatch.delenv("TUICHAT_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "")
+    binary, why = bench.find_llama_server(None, gguf)
+    assert binary is None and "no llama-server on PATH" in why and "cmake --build build --target llama-server" in why
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert bench.find_llama_server(None, gguf) == (str(server), None)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setenv("TUICHAT_LLAMA_SERVER", str(server))
+    assert bench.find_llama_server(None, gguf) == (str(server), None)
+    assert bench.find_llama_server(str(tmp_path / "other"), gguf)[0] is None  # the flag wins over the environment
+    binary, why = bench.find_llama_server(str(server), types.SimpleNamespace(kind="local", name="folder"))
+    assert binary is None and ".gguf" in why
+
+
+LLAMA_SERVER = shutil.which(os.environ.get("TUICHAT_LLAMA_SERVER") or "llama-server")
+needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None,
+                                        reason="no llama-server: set TUICHAT_LLAMA_SERVER or put one on PATH")
+
+
+def record_servers(monkeypatch) -> list:
+    servers = []
+    init = bench.LlamaServerPeer.__init__
+
+    def recording(self, *args, **kwargs):
+        servers.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench.LlamaServerPeer, "__init__", recording)
+    return servers
+
+
+@needs_llama_server
+def test_llama_server_peer_on_loopback(embedded, session_cache, monkeypatch):
+    """A real run against llama-server: its numbers are there, its streamed greedy reply equals the server's own
+    non-streamed /completion for the same ids (an independent reference), and the server is gone afterwards."""
+    import torch
+
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    servers = record_servers(monkeypatch)
+    settings = bench.BenchSettings.make(True, scenarios=("single", "tabs", "multiturn"), peers=("llama_cpp",),
+                                        llama_server=LLAMA_SERVER, **TINY)
+    result = bench.run_bench(settings, io.StringIO(), show_progress=False)
+    assert len(servers) == 1 and servers[0].process.poll() is not None  # started once, stopped
+    assert servers[0].command[servers[0].command.index("-np") + 1] == str(TINY["tabs"])
+    sc = result["scenarios"]
+    single, tabs, multi = (sc[name]["peers"]["llama_cpp"] for name in ("single", "tabs", "multiturn"))
+    assert positive(single["ttft_ms"]) and positive(single["decode_tokens_per_s"])
+    assert tabs["requests"] == TINY["tabs"] and positive(tabs["tokens_per_s"]) and positive(tabs["ttft_ms_p50"])
+    assert len(multi["ttft_ms"]) == TINY["turns"] and all(positive(t) for t in multi["ttft_ms"])
+    assert multi["cached_fraction"][1] > 0.5  # the slot kept the history
+    assert all(t["value"] is not None for t in result["targets"] if "llama_cpp" in t["name"])
+    assert result["versions"]["llama_server"] and "llama_cpp" in bench.render(result)
+
+    resolved, _, _, tokenizer = embedded
+    prompt = bench.chat_ids(tokenizer, [bench.Message("user", bench.SINGLE_QUESTIONS[0])])
+    reference = bench.LlamaServerPeer(LLAMA_SERVER, resolved.source, torch.get_num_threads(), settings.tabs,
+                                      settings.llama_slot_ctx, prompt[:8])
+    try:
+        body = {"prompt": prompt, "n_predict": settings.single_tokens, "temperature": 0, "cache_prompt": False}
+        request = urllib.request.Request(f"http://127.0.0.1:{reference.port}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            expected = json.loads(response.read())["content"]
+    finally:
+        reference.close()
+    assert single["replies"][0] == expected and expected
+    assert reference.process.poll() is not None
+
+
+@needs_llama_server
+def test_the_llama_server_stops_when_the_bench_is_interrupted(embedded, session_cache, monkeypatch):
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    servers = record_servers(monkeypatch)
+    generate = bench.LlamaServerPeer.generate
+    calls = []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) > 1:  # after the warm-up: Ctrl-C in the middle of the scenario
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench.LlamaServerPeer, "generate", interrupted)
+    settings = bench.BenchSettings.make(True, scenarios=("single",), peers=("llama_cpp",), llama_server=LLAMA_SERVER,
+                                        **TINY)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(settings, io.StringIO(), show_progress=False)
+    assert len(servers) == 1 and servers[0].process.poll() is not None
+
+
+def test_a_llama_server_that_cannot_start_says_why_and_is_gone(tmp_path):
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    server.chmod(0o755)
+    with pytest.raises(BackendError, match="exited with status 3: error: failed to load model"):
+        bench.LlamaServerPeer(str(server), "/no/model.gguf", threads=1, slots=1, slot_ctx=512, warmup=[1])
+
+
+def test_bench_torch_work_runs_on_threads_that_end_with_it(run):
+    """libgomp keeps an OpenMP pool per live thread that ran torch; a second live pool doubles tuichat's step.
+    So no peer load, forward or bandwidth sum runs on the main thread, none of their threads is alive while
+    tuichat is measured, and none of them runs while an engine thread (with its pool) lives."""
+    threads = run[2]
+    assert threads["torch"] and threading.main_thread() not in threads["torch"]
+    assert threads["alive_while_tuichat_runs"] == []
+    assert not any(threads["engine_alive"])
 
 
 def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
@@ -145,55 +285,31 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         inter["loaded_ttft_ms"] / inter["idle_ttft_ms"],
         single["tuichat"]["ttft_ms"] / single["bare_forward_ms"],
         single["tuichat"]["decode_tokens_per_s"] / single["peers"]["hf_generate"]["decode_tokens_per_s"],
+        single["tuichat"]["tpot_ms"] / run[0]["floor"]["tuichat"]["decode_step_ms"],
     ]
     targets = run[0]["targets"]
-    assert [t["value"] for t in targets] == pytest.approx(expected)
-    for t in targets:  # reported, not asserted: whichever way it went, `ok` says so
+    measured = [t for t in targets if "llama_cpp" not in t["name"]]
+    assert [t["value"] for t in measured] == pytest.approx(expected)
+    for t in measured:  # reported, not asserted: whichever way it went, `ok` says so
         op, bound = t["target"].split()
         assert t["ok"] is (t["value"] >= float(bound) if op == ">=" else t["value"] <= float(bound)), t["name"]
+    llama = [t for t in targets if "llama_cpp" in t["name"]]  # no llama-server in this run: nothing to say
+    assert len(llama) == 3 and all(t["value"] is None and t["ok"] is None for t in llama)
 
 
 def test_table_renders_every_scenario_and_the_progress_went_to_stderr(run):
-    result, progress = run
+    result, progress, _ = run
     table = bench.render(result)
-    for title in ("single", "tabs", "multiturn", "shared_prefix", "interference", "floor:", "targets"):
+    for title in ("single", "tabs", "multiturn", "shared_prefix", "interference", "floor at", "targets"):
         assert title in table
+    weights = result["floor"]["tuichat"]["weights"]
+    assert weights == result["weights"] and f"weights {weights}" in table.splitlines()[0]
+    assert f"tuichat reads {result['floor']['tuichat']['weight_bytes'] / 1e6:,.0f} MB ({weights})" in table
+    assert f"transformers reads {result['floor']['transformers']['weight_bytes'] / 1e6:,.0f} MB" in table
     for name in ("tuichat continuous", "tuichat static", "tuichat off", "hf_static_batch", "hf_generate_batch",
                  "bare forward"):
         assert name in table
     assert "tabs · tuichat static" in progress and "interference" in progress
-
-
-def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
-    """The llama.cpp path without compiling llama.cpp: a fake `llama_cpp` module with the same API."""
-    calls = []
-
-    class Llama:
-        def __init__(self, model_path, **kwargs):
-            calls.append(("init", model_path, kwargs["n_threads"]))
-
-        def reset(self):
-            calls.append(("reset",))
-
-        def create_completion(self, prompt, max_tokens, temperature, stream):
-            assert stream and temperature == 0.0 and isinstance(prompt, list)
-            for piece in ["Hel", "lo", "!"][:max_tokens]:
-                yield {"choices": [{"text": piece, "finish_reason": None}]}
-            yield {"choices": [{"text": "", "finish_reason": "stop"}]}
-
-    module = types.ModuleType("llama_cpp")
-    module.Llama = Llama
-    module.__spec__ = types.SimpleNamespace(name="llama_cpp")
-    monkeypatch.setitem(sys.modules, "llama_cpp", module)
-    resolved = types.SimpleNamespace(kind="gguf", source="/models/x.gguf")
-    assert bench.llama_cpp_missing(resolved) is None
-    assert "gguf" in bench.llama_cpp_missing(types.SimpleNamespace(kind="local", source="/m"))
-    peer = bench.LlamaCppPeer("/models/x.gguf", threads=2, gpu=False)
-    result = peer.generate(list(range(20)), 16)
-    assert result.tokens == 4 and result.text == "Hello!" and result.finish_reason == "stop"  # 3 pieces + EOS
-    assert result.ttft_ms > 0 and len(result.itl_ms) == 2
-    assert calls[0] == ("init", "/models/x.gguf", 2) and ("reset",) in calls
-    peer.close()
 
 
 def test_settings_and_lists_are_validated():
@@ -243,7 +359,7 @@ def test_cli_bench_json(embedded):
     assert data["scenarios"]["single"]["peers"] == {} and positive(data["scenarios"]["single"]["bare_forward_ms"])
     assert data["settings"]["peers"] == [] and data["settings"]["turn_tokens"] == 4
     assert data["settings"]["stagger_ms"] == 0
-    assert positive(data["floor"]["decode_step_ms"])
+    assert positive(data["floor"]["tuichat"]["decode_step_ms"]) and positive(data["floor"]["transformers"]["weight_bytes"])
     assert "[bench" in result.stderr  # the progress bar, never on stdout
 
 

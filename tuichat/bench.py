@@ -14,12 +14,17 @@ Scenarios (each can be picked with `--scenarios`):
 - interference   TTFT of a new conversation while N-1 others decode, against its TTFT on an idle engine (prefix
                  cache off in this scenario, so both probes compute the whole prompt).
 
-Peers, on the same prompt token ids, same dtype/device, greedy, EOS on, same caps: transformers `generate` one
-request at a time; a left-padded static batch through `generate`; transformers' own continuous batching
-(`generate_batch`); llama.cpp through llama-cpp-python when it is installed (never a dependency). In `tabs`, the
-batching peers get the tabs' arrival times too: the static batch starts when its last prompt has arrived,
-`generate_batch`'s manager gets each prompt when it arrives; `--stagger-ms 0` gives every system all prompts at
-once. The floor: weight bytes / measured memory bandwidth.
+Peers, on the same prompt token ids, greedy, EOS on, same caps: transformers `generate` one request at a time;
+a left-padded static batch through `generate`; transformers' own continuous batching (`generate_batch`), all
+in tuichat's dtype and device; and llama.cpp's `llama-server` on the same .gguf (its quantized weights), in its
+own process on loopback (next to torch, llama.cpp segfaults here; never a dependency): `--llama-server PATH`,
+else $TUICHAT_LLAMA_SERVER, else `llama-server` on PATH. It is started once per run with one parallel slot
+per tab and the bench's thread count, and always stopped. Its single stream computes every prompt token
+(cache_prompt off), its tabs are concurrent requests on the slots, its multiturn keeps one slot's prompt
+cache. In `tabs`, the batching peers get the tabs' arrival times too: the static batch starts when its last
+prompt has arrived, `generate_batch`'s manager and llama-server get each prompt when it arrives;
+`--stagger-ms 0` gives every system all prompts at once. The floor: the bytes a decode step reads (tuichat's
+quantized weights; transformers' dense ones) / measured memory bandwidth.
 
 Every tuichat number goes through `LocalBackend.stream` and is timed on the client side with
 time.perf_counter (what a front end sees): TTFT = submitted -> first non-empty text; ITL = gaps between text
@@ -29,25 +34,33 @@ Output tokens include the EOS token for every system alike.
 Caps: 64 tokens per single/tab reply, 96 per turn, 8 tabs, 8 turns (the history passes 1000 tokens).
 `--quick` (<= 90 s on 2 cores): 3 single prompts, 24 tokens per tab reply, 4 turns of <= 48 tokens (the
 history, which starts with a pasted text of ~550 tokens, reaches ~800 tokens instead of ~1300), and no
-transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn). One-at-a-time peers (`hf_generate`, llama.cpp) run the
-first 4 tab prompts only: their tok/s does not depend on how many requests wait.
+transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn). The
+one-at-a-time peer (`hf_generate`) runs the first 4 tab prompts only: its tok/s does not depend on how many wait.
 
-Peer work runs on one long-lived worker thread, like the engine's forwards run on the engine thread: on this
-2-core machine under load, the same torch forward issued from the main thread ran 5-10x slower than from a
-worker thread, which would have flattered tuichat.
+Threads: every bit of bench torch work (loading the transformers model, its forwards, the bandwidth sum) runs
+on a thread that ends with it, never on the main thread, and not while an engine thread lives (see
+on_own_thread). libgomp keeps an OpenMP pool for each live thread that ever ran a parallel region; with more
+pool threads than cores it stops spinning between regions and a step costs about twice as much. That, not the
+main thread as such, is why torch ran slower "from the main thread" here: a second pool was alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import http.client
 import importlib.util
 import json
 import math
 import os
 import platform
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -62,6 +75,7 @@ from tuichat.local import chat_ids
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference")
 PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp")
 MODES = ("continuous", "static", "off")
+ENGINE_THREAD = "tuichat-engine-"  # how Engine.start names its threads
 
 # -- prompts ----------------------------------------------------------------------------------------------------
 # Natural chat questions: short and long answers mixed, so replies end at their own EOS at different times.
@@ -195,12 +209,13 @@ class BenchSettings:
     turn_tokens: int = 96  # cap of each multiturn reply
     probe_tokens: int = 4  # TTFT-only requests (cache-off replay, shared prefix, interference probes)
     single_prompts: int = 3  # single: medians over this many questions
-    sequential_peer_prompts: int = 4  # one-at-a-time peers run this many of the tab prompts (tok/s per request)
+    sequential_peer_prompts: int = 4  # hf_generate, one at a time, runs this many of the tab prompts (tok/s per request)
     multiturn_peer: bool = True  # transformers generate's TTFT per turn (it recomputes the whole history)
     probes: int = 3  # interference: probes idle and loaded
     stagger_ms: float = 100.0
     bandwidth_mb: int = 512
     default_kv_cache_mb: int = 256  # per engine, unless --kv-cache-mb says otherwise
+    llama_server: str | None = None  # the binary; else $TUICHAT_LLAMA_SERVER, else llama-server on PATH
 
     @classmethod
     def make(cls, quick: bool = False, **overrides: Any) -> "BenchSettings":
@@ -220,6 +235,11 @@ class BenchSettings:
         if settings.tabs < 1 or settings.turns < 1:
             raise BackendError("--tabs and --turns must be at least 1.")
         return settings
+
+    @property
+    def llama_slot_ctx(self) -> int:
+        """llama-server's context per slot (one slot per tab; -c is split across them): room for the history."""
+        return 1024 * math.ceil((1024 + self.turns * (self.turn_tokens + 64)) / 1024)
 
     def engine_options(self, **changes: Any) -> EngineOptions:
         options = self.options
@@ -386,6 +406,7 @@ def plan(settings: BenchSettings) -> list[str]:
     if "multiturn" in settings.scenarios:
         steps += ["multiturn · cache on", "multiturn · cache off"]
         steps += ["multiturn · hf_generate"] if "hf_generate" in settings.peers and settings.multiturn_peer else []
+        steps += ["multiturn · llama_cpp"] if "llama_cpp" in settings.peers else []
     if "shared_prefix" in settings.scenarios:
         steps += ["shared_prefix · cache on", "shared_prefix · cache off"]
     if "interference" in settings.scenarios:
@@ -434,9 +455,10 @@ class _Tuichat:
         self.kernels: dict[str, str] = {}
 
     def __enter__(self) -> "_Tuichat":
-        self.name = self.backend.load_sync(self.model)
+        self.name = asyncio.run(self.backend.load(self.model))  # on a thread that ends with the load
         stats = self.backend.stats(self.name)
         self.kernels = {"decode_matmul": stats.matmul, "decode_layers": stats.layers}
+        self.weights, self.weight_bytes = stats.weights, stats.weight_bytes  # what a decode step reads
         asyncio.run(stream_once(self.backend, "warmup", [Message("user", WARMUP_QUESTION)], SamplingParams(max_tokens=4)))
         return self
 
@@ -655,62 +677,164 @@ class HFPeer:
             self.torch.cuda.empty_cache()
 
 
-# -- peers: llama.cpp ------------------------------------------------------------------------------------------------
-def llama_cpp_missing(resolved) -> str | None:
-    """Why the llama.cpp peer cannot run, or None when it can."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (pip install llama-cpp-python); never a tuichat dependency"
+# -- peers: llama.cpp, in its own process ----------------------------------------------------------------------------
+LLAMA_SERVER_HINT = (
+    "build it from llama.cpp with `cmake -B build -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF && "
+    "cmake --build build --target llama-server` (a native AMX build segfaults on prompt batches), then pass "
+    "--llama-server PATH or set TUICHAT_LLAMA_SERVER; llama.cpp is never a tuichat dependency"
+)
+
+
+def find_llama_server(given: str | None, resolved) -> tuple[str | None, str | None]:
+    """(the llama-server binary, None), or (None, why the llama.cpp peer cannot run): --llama-server, else
+    $TUICHAT_LLAMA_SERVER, else llama-server on PATH."""
     if resolved.kind != "gguf":
-        return "llama.cpp needs a .gguf model; this model is a transformers folder"
-    return None
+        return None, (f"llama.cpp needs a .gguf model; {resolved.name} is a transformers folder "
+                      "(llama.cpp's convert_hf_to_gguf.py makes one)")
+    given = given or os.environ.get("TUICHAT_LLAMA_SERVER")
+    found = shutil.which(given or "llama-server")
+    if found is None:
+        where = f"no executable llama-server at {given}" if given else "no llama-server on PATH"
+        return None, f"{where}: {LLAMA_SERVER_HINT}"
+    return found, None
 
 
-class LlamaCppPeer:
-    """The same GGUF through llama-cpp-python. It runs the quantized weights (e.g. Q4_1), not our dtype."""
+class LlamaServerPeer:
+    """The same GGUF through llama.cpp's own `llama-server`, a separate process on loopback: loaded next to
+    torch, llama.cpp segfaults here. It runs the file's quantized weights with `slots` parallel slots of
+    `slot_ctx` tokens each (-c is split across them). Every request streams from the native /completion
+    endpoint on its own connection, greedy, stopping at the model's EOS tokens like the other peers."""
 
-    def __init__(self, gguf_path: str, threads: int, gpu: bool) -> None:
-        from llama_cpp import Llama
+    def __init__(self, binary: str, gguf: str, threads: int, slots: int, slot_ctx: int, warmup: list[int],
+                 gpu: bool = False, ready_timeout_s: float = 120.0) -> None:
+        with socket.socket() as probe:  # a free port; the server binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        folder = str(Path(binary).resolve().parent)  # its own shared libraries sit beside it in a build
+        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [folder, os.environ.get("LD_LIBRARY_PATH")]))}
+        self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+                        "-np", str(slots), "-c", str(slots * slot_ctx), "-ngl", "999" if gpu else "0", "--no-webui"]
+        self.log = tempfile.TemporaryFile()  # not a pipe: an unread pipe fills and stalls the server
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
+                                        stderr=subprocess.STDOUT, env=env)
+        try:
+            self.build = self._wait_ready(ready_timeout_s)
+            self.generate(warmup, 4)  # like every other system's warm-up
+        except BaseException:
+            self.close()
+            raise
 
-        self.llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, n_gpu_layers=-1 if gpu else 0,
-                         verbose=False)
-        self._warm = False
+    def _log_tail(self, lines: int = 5) -> str:
+        self.log.seek(0)
+        return " | ".join(self.log.read().decode(errors="replace").strip().splitlines()[-lines:])
 
-    def generate(self, prompt: list[int], max_tokens: int) -> RequestResult:
-        if not self._warm:
-            self._warm = True
-            self.generate(prompt[:8], 4)
-        self.llm.reset()  # no reuse of the previous request's KV: every request computes its prompt
+    def _request(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+        # A fresh connection per request: the server closes one after a streamed reply.
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        connection.request(method, path, None if body is None else json.dumps(body),
+                           {"Content-Type": "application/json"})
+        return connection.getresponse()
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        """Poll /health until the model is loaded; the server's build from /props."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BackendError(f"llama-server exited with status {self.process.returncode}: {self._log_tail()}")
+            try:
+                with self._request("GET", "/health") as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.1)
+        else:
+            raise BackendError(f"llama-server was not ready after {timeout_s:.0f} s: {self._log_tail()}")
+        with self._request("GET", "/props") as response:
+            return json.loads(response.read()).get("build_info", "")
+
+    def generate(self, prompt: list[int], max_tokens: int, cache_prompt: bool = False, slot: int = -1) -> RequestResult:
+        """One streamed reply. Each token arrives as its own SSE event (the EOS token too, with empty content):
+        their arrival times give TTFT and ITL on the client side. cache_prompt=False computes the whole prompt;
+        slot -1 is any idle slot."""
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True,
+                "cache_prompt": cache_prompt, "id_slot": slot}
         result = RequestResult(submitted=time.perf_counter(), prompt_tokens=len(prompt))
-        last, chunks = None, []
-        for chunk in self.llm.create_completion(prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
-            choice = chunk["choices"][0]
-            now = time.perf_counter()
-            if choice.get("text"):
-                chunks.append(choice["text"])
-                result.tokens += 1
-                if last is None:
-                    result.ttft_ms = (now - result.submitted) * 1000
-                else:
-                    result.itl_ms.append((now - last) * 1000)
-                last = now
-            if choice.get("finish_reason"):
-                result.finish_reason = choice["finish_reason"]
+        times, chunks, final = [], [], None
+        with self._request("POST", "/completion", body) as response:
+            if response.status != 200:
+                raise BackendError(f"llama-server answered {response.status}: {response.read()[:300]!r}")
+            for line in response:
+                if line.startswith(b"error:"):
+                    raise BackendError(f"llama-server: {line[6:].decode(errors='replace').strip()}")
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if event.get("tokens"):
+                    times.append(time.perf_counter())
+                    chunks.append(event["content"])
+                if event.get("stop"):
+                    final = event
         result.finished = time.perf_counter()
-        if result.finish_reason == "stop":
-            result.tokens += 1  # the EOS token, counted for every system alike
-        result.e2e_ms = (result.finished - result.submitted) * 1000
+        if final is None:
+            raise BackendError("llama-server ended a reply without its final event")
+        result.set_token_times(times)
+        result.tokens = final["tokens_predicted"]  # EOS included, as for every system
+        result.cached_tokens = final["timings"]["cache_n"]
+        result.finish_reason = {"eos": "stop", "limit": "length"}.get(final["stop_type"], final["stop_type"])
         result.text = "".join(chunks)
         return result
 
+    def prefill(self, prompt: list[int], slot: int) -> None:
+        """Put `prompt` into a slot's cache without generating (n_predict 0)."""
+        body = {"prompt": prompt, "n_predict": 0, "cache_prompt": True, "id_slot": slot}
+        with self._request("POST", "/completion", body) as response:
+            if response.status != 200:
+                raise BackendError(f"llama-server answered {response.status}: {response.read()[:300]!r}")
+            response.read()
+
+    def tabs(self, prompts: list[list[int]], max_tokens: int, stagger_s: float) -> tuple[list[RequestResult], float]:
+        """Prompt i sent at i * stagger_s, each on its own thread and connection, so the server's parallel slots
+        batch them as they arrive (the other batching peers get the same arrivals)."""
+        start = time.perf_counter()
+
+        def send(i: int) -> RequestResult:
+            time.sleep(max(0.0, start + i * stagger_s - time.perf_counter()))
+            return self.generate(prompts[i], max_tokens, cache_prompt=True)  # tuichat's tabs run with its cache on
+
+        with ThreadPoolExecutor(len(prompts), thread_name_prefix="tuichat-bench-llama") as pool:
+            results = list(pool.map(send, range(len(prompts))))
+        return results, max(r.finished for r in results) - start
+
     def close(self) -> None:
-        close = getattr(self.llm, "close", None)
-        if close is not None:
-            close()
-        self.llm = None
-        settle_heap()  # collect what was closed; freeze what stays
+        """Stop the server (and wait for it): after every run, an error or Ctrl-C."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
 
 
-# -- memory bandwidth and the floor ------------------------------------------------------------------------------------
+# -- threads, memory bandwidth and the floor ---------------------------------------------------------------------------
+def on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a thread that ends with it. libgomp keeps an OpenMP pool for every live thread that ever ran
+    a torch parallel region, and once the pools hold more threads than there are cores it stops spinning between
+    regions: a lasting pool beside the engine thread's doubled tuichat's decode step here (10.9 -> 19.3 ms). So
+    no bench torch work runs on the main thread or on a thread that outlives it, nor while an engine thread
+    lives (an idle one ends after IDLE_EXIT_S): at most one pool is alive, for tuichat and its peers alike."""
+    deadline = time.monotonic() + 30
+    while any(t.name.startswith(ENGINE_THREAD) for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread = ThreadPoolExecutor(1, thread_name_prefix="tuichat-bench-torch")
+    try:
+        return thread.submit(fn, *args).result()
+    finally:
+        thread.shutdown(wait=True)
+
+
 def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of a few torch sums over one large buffer."""
     import torch
@@ -728,6 +852,11 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     return size / best
 
 
+def step_floor(weights: str, weight_bytes: int, bandwidth: float) -> dict[str, Any]:
+    step_ms = weight_bytes / bandwidth * 1000
+    return {"weights": weights, "weight_bytes": weight_bytes, "decode_step_ms": step_ms, "decode_tokens_per_s": 1000 / step_ms}
+
+
 # -- the run ---------------------------------------------------------------------------------------------------------
 class _Run:
     def __init__(self, settings: BenchSettings, progress: Progress) -> None:
@@ -741,20 +870,13 @@ class _Run:
         self.device = loader.resolve_device(settings.options.device)
         self.dtype = loader.resolve_dtype(settings.options.dtype, self.device)
         self.torch = torch
-        self.notes: list[str] = []
         self.peer: HFPeer | None = None
-        self.llama: LlamaCppPeer | None = None
+        self.bandwidth: float | None = None
+        self.llama: LlamaServerPeer | None = None
         self.llama_skip: str | None = None
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tuichat-bench-peer")
         self.latest: _Tuichat | None = None
 
     # helpers
-    def off_main(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run peer work on one long-lived worker thread, as tuichat's engine runs its forwards on its own
-        thread. Measured here: under CPU contention, torch ops issued from the main thread ran up to 5-10x
-        slower than the same ops from a worker thread; this keeps the comparison like for like."""
-        return self.worker.submit(fn, *args).result()
-
     def step(self, label: str):
         return self.progress.step(label)
 
@@ -765,35 +887,48 @@ class _Run:
     def wants(self, peer: str) -> bool:
         return peer in self.settings.peers
 
-    def llama_peer(self) -> LlamaCppPeer | None:
+    def with_llama(self, work: Callable[[LlamaServerPeer], dict[str, Any]]) -> dict[str, Any]:
+        """work(the llama-server peer), or {"skipped": why}: a missing or failing server must not end the bench.
+        The server starts once, at the first llama.cpp step, and run_bench stops it whatever happens."""
+        s = self.settings
         if self.llama is None and self.llama_skip is None:
-            self.llama_skip = llama_cpp_missing(self.resolved)
-            if self.llama_skip is None:
+            binary, self.llama_skip = find_llama_server(s.llama_server, self.resolved)
+            if binary is not None:
                 try:
-                    self.llama = LlamaCppPeer(self.resolved.source, self.torch.get_num_threads(),
-                                              self.device.type == "cuda")
-                except Exception as exc:  # a broken build must not end the whole bench
-                    self.llama_skip = f"llama.cpp failed to load the model: {exc}"
-        return self.llama
+                    self.llama = LlamaServerPeer(binary, self.resolved.source, self.torch.get_num_threads(), s.tabs,
+                                                 s.llama_slot_ctx, self.ids([Message("user", WARMUP_QUESTION)]),
+                                                 gpu=self.device.type == "cuda")
+                except (BackendError, OSError) as exc:
+                    self.llama_skip = f"llama-server did not start: {exc}"
+        if self.llama is None:
+            return {"skipped": self.llama_skip}
+        try:
+            return work(self.llama)
+        except (BackendError, OSError, KeyError, ValueError) as exc:
+            return {"skipped": f"llama-server failed: {exc}"}
 
     def ids(self, messages: Sequence[Message]) -> list[int]:
         return chat_ids(self.peer.tokenizer, messages)
 
     # sections
     def floor(self) -> dict[str, Any]:
+        """The bandwidth, and the floor of transformers' dense weights; tuichat's is added by tuichat_floor."""
         with self.step("floor: weights and memory bandwidth"):
-            self.peer = HFPeer(self.resolved, self.device, self.dtype, self.settings.options.device_map,
-                               self.settings.options.max_batched_tokens)
-            weight_bytes = self.peer.weight_bytes()
-            bandwidth = self.off_main(measure_bandwidth, self.device, self.settings.bandwidth_mb)
-        step_ms = weight_bytes / bandwidth * 1000
+            self.peer = on_own_thread(HFPeer, self.resolved, self.device, self.dtype, self.settings.options.device_map,
+                                      self.settings.options.max_batched_tokens)
+            self.bandwidth = on_own_thread(measure_bandwidth, self.device, self.settings.bandwidth_mb)
         return {
-            "weight_bytes": weight_bytes,
-            "bandwidth_gb_s": bandwidth / 1e9,
-            "decode_step_ms": step_ms,
-            "decode_tokens_per_s": 1000 / step_ms,
+            "bandwidth_gb_s": self.bandwidth / 1e9,
+            "tuichat": None,
+            "transformers": step_floor(str(self.dtype).removeprefix("torch."), self.peer.weight_bytes(), self.bandwidth),
             "note": "weights read once per decode step at the measured bandwidth; KV reads and compute not counted",
         }
+
+    def tuichat_floor(self) -> dict[str, Any] | None:
+        """The floor of the bytes a tuichat decode step really reads (quantized or not), once an engine ran."""
+        if self.latest is None or self.bandwidth is None:
+            return None
+        return step_floor(self.latest.weights, self.latest.weight_bytes, self.bandwidth)
 
     def single(self) -> dict[str, Any]:
         s = self.settings
@@ -807,9 +942,9 @@ class _Run:
                 self.tuichat(batching="continuous", prefix_cache=False) as tc:
             for i, (messages, prompt) in enumerate(zip(conversations, prompts)):
                 ours.append(tc.run(stream_once, f"single-{i}", messages, params))
-                bare.append(self.off_main(self.peer.bare_forward_ms, prompt))
+                bare.append(on_own_thread(self.peer.bare_forward_ms, prompt))
                 if self.wants("hf_generate"):
-                    hf.append(self.off_main(self.peer.generate, prompt, s.single_tokens))
+                    hf.append(on_own_thread(self.peer.generate, prompt, s.single_tokens))
         out: dict[str, Any] = {
             "prompts": len(prompts),
             "prompt_tokens": [r.prompt_tokens for r in ours],
@@ -824,12 +959,9 @@ class _Run:
         if hf:
             out["peers"]["hf_generate"] = self._single_summary(hf)
         if self.wants("llama_cpp"):
-            with self.step("single · llama_cpp"):
-                llama = self.llama_peer()
-                out["peers"]["llama_cpp"] = (
-                    self._single_summary([self.off_main(llama.generate, p, s.single_tokens) for p in prompts])
-                    if llama else {"skipped": self.llama_skip}
-                )
+            with self.step("single · llama_cpp"):  # cache_prompt off: it computes every prompt token, as tuichat does here
+                out["peers"]["llama_cpp"] = self.with_llama(
+                    lambda llama: self._single_summary([llama.generate(p, s.single_tokens) for p in prompts]))
         return out
 
     @staticmethod
@@ -843,6 +975,7 @@ class _Run:
             "tpot_ms": _median([r.tpot_ms for r in results]),
             "decode_tokens_per_s": _median([r.decode_tokens_per_s for r in results]),
             "output_tokens": [r.tokens for r in results],
+            "replies": [r.text for r in results],
         }
 
     def tabs(self) -> dict[str, Any]:
@@ -862,23 +995,18 @@ class _Run:
             with self.step(f"tabs · {name}"):
                 if name == "hf_generate":
                     start = time.perf_counter()
-                    results = [self.off_main(self.peer.generate, p, s.tab_tokens) for p in sequential]
+                    results = [on_own_thread(self.peer.generate, p, s.tab_tokens) for p in sequential]
                     peers[name] = summarize(results, time.perf_counter() - start)
                     peers[name]["note"] = (f"one request at a time, over the first {len(sequential)} prompts (its "
                                            "tok/s does not depend on how many wait); TTFT from each request's start")
                 elif name == "hf_static_batch":
-                    peers[name] = summarize(*self.off_main(functools.partial(self.peer.static_batch, stagger_s=stagger), prompts, s.tab_tokens))
+                    peers[name] = summarize(*on_own_thread(functools.partial(self.peer.static_batch, stagger_s=stagger), prompts, s.tab_tokens))
                 elif name == "hf_generate_batch":
-                    peers[name] = summarize(*self.off_main(functools.partial(self.peer.generate_batch, stagger_s=stagger), prompts, s.tab_tokens))
+                    peers[name] = summarize(*on_own_thread(functools.partial(self.peer.generate_batch, stagger_s=stagger), prompts, s.tab_tokens))
                 elif name == "llama_cpp":
-                    llama = self.llama_peer()
-                    if llama is None:
-                        peers[name] = {"skipped": self.llama_skip, "tokens_per_s": None}
-                    else:
-                        start = time.perf_counter()
-                        results = [self.off_main(llama.generate, p, s.tab_tokens) for p in sequential]
-                        peers[name] = summarize(results, time.perf_counter() - start)
-                        peers[name]["note"] = f"one request at a time, over the first {len(sequential)} prompts"
+                    peers[name] = self.with_llama(lambda llama: {
+                        **summarize(*llama.tabs(prompts, s.tab_tokens, stagger)),
+                        "note": f"llama-server with {s.tabs} parallel slots, each tab on its own connection"})
         ours = modes["continuous"]
         for name, peer in list(modes.items()) + list(peers.items()):
             peer["tuichat_over"] = _ratio(ours["tokens_per_s"], peer.get("tokens_per_s"))
@@ -937,15 +1065,34 @@ class _Run:
         # Turn 1 carries the pasted text; turn 2 on are all served from the cache: their trend is the flatness.
         out["last_over_second_cache_on"] = _ratio(on_ttft[-1], on_ttft[1]) if len(on_ttft) > 1 else None
         out["off_over_on_last_turn"] = _ratio(off_ttft[-1], on_ttft[-1])
+        prompts = [self.ids(history[: 2 * k + 1]) for k in range(len(users))]
         if self.wants("hf_generate") and s.multiturn_peer:
             with self.step("multiturn · hf_generate"):
-                prompts = [self.ids(history[: 2 * k + 1]) for k in range(len(users))]
-                results = [self.off_main(self.peer.generate, p, 1) for p in prompts]
+                results = [on_own_thread(self.peer.generate, p, 1) for p in prompts]
             out["peers"]["hf_generate"] = {
                 "ttft_ms": [r.ttft_ms for r in results],
                 "note": "transformers generate keeps no KV between calls: every turn computes the whole history",
             }
+        if self.wants("llama_cpp"):
+            with self.step("multiturn · llama_cpp"):
+                out["peers"]["llama_cpp"] = self.with_llama(lambda llama: self._llama_multiturn(llama, history, prompts))
         return out
+
+    def _llama_multiturn(self, llama: LlamaServerPeer, history: list[Message], prompts: list[list[int]]) -> dict[str, Any]:
+        """The same history, turn by turn, in one slot with its prompt cache on: TTFT per turn. After each turn
+        the slot gets the history up to the next question (tuichat's reply included) without generating, so it
+        holds what it would after writing that reply itself, as tuichat's cache does."""
+        results = []
+        for k, prompt in enumerate(prompts):
+            results.append(llama.generate(prompt, self.settings.probe_tokens, cache_prompt=True, slot=0))
+            if k + 1 < len(prompts):
+                llama.prefill(os.path.commonprefix([self.ids(history[: 2 * k + 2]), prompts[k + 1]]), slot=0)
+        return {
+            "ttft_ms": [r.ttft_ms for r in results],
+            "cached_fraction": [r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in results],
+            "prompt_tokens": [r.prompt_tokens for r in results],
+            "note": "one llama-server slot with cache_prompt on; each turn's reply put in its cache untimed",
+        }
 
     def shared_prefix(self) -> dict[str, Any]:
         s = self.settings
@@ -1017,11 +1164,12 @@ class _Run:
         return out
 
     def close(self) -> None:
-        if self.peer is not None:
-            self.off_main(self.peer.close)
-        if self.llama is not None:
-            self.off_main(self.llama.close)
-        self.worker.shutdown()
+        try:
+            if self.llama is not None:
+                self.llama.close()
+        finally:
+            if self.peer is not None:
+                self.peer.close()
 
 
 def _cpu_model() -> str:
@@ -1041,8 +1189,6 @@ def _versions() -> dict[str, str]:
         from importlib.metadata import version
 
         versions["tuichat"] = version("tuichat")
-        if importlib.util.find_spec("llama_cpp") is not None:
-            versions["llama_cpp"] = version("llama-cpp-python")
     except Exception:
         pass
     return versions
@@ -1086,6 +1232,11 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
                 result["scenarios"][name]["scenario_wall_s"] = time.perf_counter() - t0
                 if run.latest is not None:
                     result["machine"].update(run.latest.kernels)
+        result["floor"]["tuichat"] = run.tuichat_floor()
+        result["weights"] = run.latest.weights if run.latest is not None else None  # tuichat's weight format
+        if run.llama is not None:
+            result["versions"]["llama_server"] = run.llama.build
+            result["llama_server"] = run.llama.command
     finally:
         run.close()
         progress.close()
@@ -1119,6 +1270,12 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ("single: TTFT ÷ bare forward", single.get("ttft_over_bare_forward"), "<=", 1.15),
         ("single: decode tok/s ÷ hf_generate",
          _ratio(_get(single, "tuichat.decode_tokens_per_s"), _get(single, "peers.hf_generate.decode_tokens_per_s")), ">=", 1.5),
+        ("single: decode tok/s ÷ llama_cpp",
+         _ratio(_get(single, "tuichat.decode_tokens_per_s"), _get(single, "peers.llama_cpp.decode_tokens_per_s")), ">=", 1.0),
+        ("single: TTFT ÷ llama_cpp", _ratio(_get(single, "tuichat.ttft_ms"), _get(single, "peers.llama_cpp.ttft_ms")), "<=", 0.5),
+        ("tabs: continuous tok/s ÷ llama_cpp (parallel slots)", _get(tabs, "peers.llama_cpp.tuichat_over"), ">=", 3.0),
+        ("single: decode step (TPOT, batch 1) ÷ its bytes-read floor",
+         _ratio(_get(single, "tuichat.tpot_ms"), _get(result, "floor.tuichat.decode_step_ms")), "<=", 1.5),
     ]
     out = []
     for name, value, op, bound in rows:
@@ -1153,16 +1310,19 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> lis
 def render(result: dict[str, Any]) -> str:
     """The human-readable report: one small table per scenario, ratios as tuichat ÷ peer."""
     floor = result.get("floor", {})
+    llama = result["versions"].get("llama_server")
     lines = [
-        f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · "
+        f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · weights {result.get('weights') or '?'} · "
         f"torch {result['versions']['torch']} · {result['machine']['torch_threads']} threads · "
         f"matmul {result['machine'].get('decode_matmul', '?')} · layers {result['machine'].get('decode_layers', '?')}"
-        f"{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",
-        f"floor: {floor.get('weight_bytes', 0) / 1e6:,.0f} MB of weights / {_fmt(floor.get('bandwidth_gb_s'))} GB/s "
-        f"= {_fmt(floor.get('decode_step_ms'), 2)} ms per decode step ({_fmt(floor.get('decode_tokens_per_s'), 0)} tok/s, batch 1)",
-        "ratios are tuichat ÷ the row: above 1 is better for tok/s, below 1 is better for TTFT; times in ms",
-        "",
+        f"{f' · llama-server {llama}' if llama else ''}{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",
+        f"floor at {_fmt(floor.get('bandwidth_gb_s'))} GB/s, one read of the weights per decode step (batch 1):",
     ]
+    for who, f in (("tuichat reads", floor.get("tuichat")), ("transformers reads", floor.get("transformers"))):
+        if f:
+            lines.append(f"  {who} {f['weight_bytes'] / 1e6:,.0f} MB ({f['weights']}) = {_fmt(f['decode_step_ms'], 2)} ms a step "
+                         f"({_fmt(f['decode_tokens_per_s'], 0)} tok/s)")
+    lines += ["ratios are tuichat ÷ the row: above 1 is better for tok/s, below 1 is better for TTFT; times in ms", ""]
     sc = result.get("scenarios", {})
     if "single" in sc:
         s = sc["single"]
@@ -1199,14 +1359,17 @@ def render(result: dict[str, Any]) -> str:
         s = sc["multiturn"]
         on, off = s["cache_on"], s["cache_off"]
         hf = s["peers"].get("hf_generate", {}).get("ttft_ms")
+        llama = s["peers"].get("llama_cpp", {})
         lines.append(f"multiturn · {s['turns']} turns, replies ≤{s['max_tokens']} tokens, history {s['history_tokens']} tokens "
                      "(cache off replays the same history)")
         rows = []
         for k in range(len(on["ttft_ms"])):
             rows.append([str(k + 1), str(on["prompt_tokens"][k]), f"{on['cached_fraction'][k]:.0%}", _fmt(on["ttft_ms"][k], 0),
                          _fmt(off["ttft_ms"][k], 0), _x(_ratio(off["ttft_ms"][k], on["ttft_ms"][k])),
-                         _fmt(hf[k], 0) if hf else "-"])
-        lines += _table(["turn", "prompt tok", "cached", "TTFT on", "TTFT off", "off ÷ on", "hf_generate"], rows)
+                         _fmt(hf[k], 0) if hf else "-",
+                         f"{_fmt(llama['ttft_ms'][k], 0)} ({llama['cached_fraction'][k]:.0%})" if "ttft_ms" in llama else "-"])
+        lines += _table(["turn", "prompt tok", "cached", "TTFT on", "TTFT off", "off ÷ on", "hf_generate", "llama_cpp (cached)"],
+                        rows)
         lines.append(f"  cache on: last ÷ first turn {_x(s['last_over_first_cache_on'])}, "
                      f"last ÷ second turn {_x(s.get('last_over_second_cache_on'))}")
         lines.append("")

@@ -234,14 +234,16 @@ def models() -> None:
               help="Cap on every reply (default: 64 single/tabs, 96 per turn; --quick: 32/24/48).")
 @click.option("--peers", default="all", show_default=True,
               help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp (or none).")
+@click.option("--llama-server", "llama_server", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The llama-server binary for the llama_cpp peer [$TUICHAT_LLAMA_SERVER, else on PATH].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Save charts to this PNG (needs the 'plot' extra: matplotlib).")
 @engine_options
 @click.pass_context
-def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, peers, as_json, plot_path,
+def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, peers, llama_server, as_json, plot_path,
           **engine_flags):
-    """Measure streaming, batching and caching here, next to transformers (and llama.cpp when installed).
+    """Measure streaming, batching and caching here, next to transformers and llama.cpp's llama-server.
 
     The table (or --json) goes to stdout, the progress bar to stderr. Each scenario sets --batching and
     --prefix-cache itself (it compares them); the other engine options apply to every engine."""
@@ -260,6 +262,7 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
             tabs=tabs,
             stagger_ms=stagger_ms,
             turns=turns,
+            llama_server=llama_server,
             **caps,
         )
         bench_module.main(settings, as_json=as_json, plot_path=plot_path)
