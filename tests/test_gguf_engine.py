@@ -186,6 +186,8 @@ def test_the_engine_serves_the_files_own_blocks(kernels, tiny):
     for layer in served.model.model.layers:
         for linear in (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj):
             assert linear.weight.numel() == 0
+    assert served.model.lm_head.weight.numel() == 0  # untied and packed: its bf16 copy is freed too
+    assert served.model.model.embed_tokens.weight.numel() == VOCAB * HIDDEN
     assert served.runner.native.accepts(2 * native.MAX_ROWS)
     served.close()
 

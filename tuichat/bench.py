@@ -868,7 +868,8 @@ class _Run:
         self.progress = progress
         self.resolved = catalog.resolve(settings.model)
         self.device = loader.resolve_device(settings.options.device)
-        self.dtype = loader.resolve_dtype(settings.options.dtype, self.device)
+        # The family decides, as in LocalBackend: the peers run in the dtype tuichat runs.
+        self.dtype = loader.resolve_dtype(settings.options.dtype, self.device, loader.family(self.resolved))
         self.torch = torch
         self.peer: HFPeer | None = None
         self.bandwidth: float | None = None

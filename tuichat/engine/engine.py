@@ -42,12 +42,16 @@ class EngineConfig:
     quant: str = "auto"  # auto: a GGUF's linears served in its own blocks where the C layers run; none: bf16
 
 
-def _drop_bf16_linears(model) -> None:
+def _drop_bf16_linears(model, packed_head: bool) -> None:
     """With the decoder layers served from packed weights, their bf16 copies are dead weight: free them. The
-    layers' modules stay, weightless; every step of such a model runs through decoder.c."""
-    for layer in model.model.layers:
-        for module in (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj):
-            module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    layers' modules stay, weightless; every step of such a model runs through decoder.c. So does an untied
+    lm_head's copy when it is packed too (a tied one is the embedding, which stays)."""
+    modules = [m for layer in model.model.layers for m in
+               (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
+    if packed_head and model.lm_head.weight is not model.model.embed_tokens.weight:
+        modules.append(model.lm_head)
+    for module in modules:
+        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -137,7 +141,7 @@ class Engine:
             raise
         if packed and self.layers == "C":
             self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel, packed))
-            _drop_bf16_linears(model)
+            _drop_bf16_linears(model, "lm_head" in packed)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads

@@ -137,7 +137,9 @@ def cached_from_gguf(path: str | Path, model, kernel, cache: Path | None) -> dic
                                 or layout != kernel.layout(format, in_features)):
                             packed = None
                             break
-                        packed[name] = PackedWeight(file.get_tensor(name), format, out_features, in_features)
+                        # A copy, not a view of the mapped file: a file changed under a running engine
+                        # must not change (or, cut short, fault) what it serves.
+                        packed[name] = PackedWeight(file.get_tensor(name).clone(), format, out_features, in_features)
                     if packed is not None:
                         return packed
         except (OSError, ValueError, KeyError, SafetensorError):  # unreadable, damaged or another version: pack again
