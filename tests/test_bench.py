@@ -21,7 +21,9 @@ from tuichat.backend import BackendError
 from tuichat.cli import main
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
-            probes=1, stagger_ms=5, bandwidth_mb=16)
+            probes=1, stagger_ms=200, bandwidth_mb=16)
+# stagger_ms: the second tab must arrive once the first one's step has begun, or both are admitted in the
+# same step and neither finds the other's system prompt cached (an idle engine first starts its thread).
 FAST_PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch")
 
 REQUIRED = [
