@@ -112,7 +112,7 @@ class Engine:
         # Which kernels short steps use, for the stats panel and the bench.
         self.matmul = "torch"
         self.layers = "transformers"
-        self.weights = f"{str(self.dtype).removeprefix('torch.')}"  # how the linear weights are stored
+        self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kernel, packed = None, {}
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
