@@ -1,10 +1,12 @@
 """How close each way of serving a model stays to its float32 self: teacher-forced argmax agreement.
 
-    python scripts/fidelity.py [--model smollm2-135m] [--prompts 16] [--tokens 48] [--llama-server PATH]
+    python scripts/fidelity.py [--model smollm2-135m] [--prompts 64] [--tokens 48] [--llama-server PATH]
 
 The float32 model (transformers, a plain forward) writes a greedy continuation of each held chat prompt; then
 each way is fed the very same tokens (teacher forcing: prompt as one prefill, then one decode step per token)
-and scores, at each position, whether its argmax is float32's, plus its mean |logit error|:
+and scores, at each position, whether its argmax is float32's; and, less noisy than a count of flips, how far
+its log-probability of float32's choice is off (|log p(top) error|: llama.cpp's from its top-50 log-probs)
+and, where all the logits are at hand, its KL divergence from float32:
 - transformers bf16: the model's own bf16 forward;
 - tuichat bf16: the engine with --quant none (C layers where they run);
 - tuichat GGUF blocks: the engine with --quant auto (the file's own Q4_1/Q8_0 blocks, int8 dot products);
@@ -33,7 +35,21 @@ CHATS = [
     "Translate 'good morning' into Spanish.", "Give me a recipe for pancakes.", "What causes earthquakes?",
     "Describe a sunset in two sentences.", "What is a prime number?", "Suggest a name for a black cat.",
     "How far away is the Moon?", "Write a limerick about a frog.", "What does a compiler do?",
-    "Summarize the plot of Cinderella.", "How do vaccines work?",
+    "Summarize the plot of Cinderella.", "How do vaccines work?", "What is the boiling point of water?",
+    "Write a short poem about autumn leaves.", "How do I make a cup of tea?", "What is the difference between weather and climate?",
+    "Give three tips for better sleep.", "Who wrote Romeo and Juliet?", "Explain what a black hole is.",
+    "How many legs does a spider have?", "Write a tweet about coffee.", "What is the largest ocean on Earth?",
+    "How do airplanes stay in the air?", "Describe your ideal weekend.", "What is machine learning?",
+    "Suggest a gift for a friend who loves books.", "How do bees make honey?", "What is the square root of 144?",
+    "Write a thank-you note to a teacher.", "Why do leaves change color in the fall?", "What are the primary colors?",
+    "How do I boil an egg?", "Tell me a fun fact about octopuses.", "What is democracy?", "Explain gravity to a child.",
+    "What should I pack for a beach trip?", "Write a two-line rhyme about rain.", "What is the speed of light?",
+    "How does a refrigerator work?", "Name five animals that live in the Arctic.", "What is an adjective?",
+    "Give me a motivational quote.", "How do I start learning to play guitar?", "What is the tallest mountain in the world?",
+    "Explain the water cycle.", "Write a short story opening about a dragon.", "What does DNA stand for?",
+    "How can I save money on groceries?", "What is the capital of Japan?", "Why do cats purr?",
+    "Describe the taste of a lemon.", "What is a noun?", "How do plants grow from seeds?",
+    "Write a riddle about time.", "What is the main ingredient in guacamole?", "How does the internet work?",
 ]
 
 
@@ -52,8 +68,9 @@ def engine_argmax(engine, sequences):
     return out
 
 
-def llama_server_argmax(binary: str, gguf: str, sequences, threads: int):
-    """Per sequence: llama.cpp's greedy next token at each continuation position (or None without a server)."""
+def llama_server_argmax(binary: str, gguf: str, sequences, threads: int, wanted):
+    """Per sequence: llama.cpp's greedy next token at each continuation position, and its log-prob of the token
+    `wanted` there (float32's argmax; NaN when outside its top 50)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,18 +91,22 @@ def llama_server_argmax(binary: str, gguf: str, sequences, threads: int):
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("llama-server did not come up")
             time.sleep(0.2)
-        out = []
-        for prompt, full in sequences:
-            picks = []
+        out, tops = [], []
+        for (prompt, full), want in zip(sequences, wanted):
+            picks, top = [], []
             for i in range(len(prompt), len(full)):
-                body = json.dumps({"prompt": full[:i], "n_predict": 1, "temperature": 0, "top_k": 1,
+                # n_probs: log-probs of the raw logits (before sampling), as llama.cpp computes them.
+                body = json.dumps({"prompt": full[:i], "n_predict": 1, "temperature": 0, "top_k": 1, "n_probs": 50,
                                    "cache_prompt": True, "return_tokens": True}).encode()
                 request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=60) as r:
                     reply = json.loads(r.read())
                 picks.append(reply["tokens"][0])
+                candidates = reply["completion_probabilities"][0]["top_logprobs"]
+                top.append(next((c["logprob"] for c in candidates if c["id"] == want[i - len(prompt)]), float("nan")))
             out.append(picks)
-        return out
+            tops.append(top)
+        return out, tops
     finally:
         server.terminate()
         server.wait(10)
@@ -94,7 +115,7 @@ def llama_server_argmax(binary: str, gguf: str, sequences, threads: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=len(CHATS))
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--margin", type=float, default=0.0)
     parser.add_argument("--llama-server", default=os.environ.get("TUICHAT_LLAMA_SERVER") or shutil.which("llama-server"))
@@ -120,16 +141,23 @@ def main() -> None:
                                       max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
                                       pad_token_id=0)[0].tolist()
             sequences.append((prompt, full))
-            ref_logits.append(reference(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float())
+            ref_logits.append(reference(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1))
         counted = []
         for logits in ref_logits:
             top2 = logits.topk(2).values
             counted.append((top2[:, 0] - top2[:, 1]) > args.margin)
     positions = int(sum(c.sum() for c in counted))
 
-    def score(name: str, picks, logits=None, note: str = "") -> None:
+    def score(name: str, picks, logprobs=None, top_logprob=None, note: str = "") -> None:
+        """picks: argmax ids per sequence; logprobs: full log-softmax rows (KL and the top token's log-prob error
+        come from them), or top_logprob: per sequence, each position's log-prob of float32's argmax."""
         agree = sum(int(((p == r.argmax(-1)) & c).sum()) for p, r, c in zip(picks, ref_logits, counted))
-        error = "" if logits is None else f"  mean |logit error| {torch.cat([(a - b).abs().mean(-1) for a, b in zip(logits, ref_logits)]).mean():.3f}"
+        wanted = [r.max(-1).values for r in ref_logits]
+        if logprobs is not None:
+            kl = torch.cat([(r.exp() * (r - l)).sum(-1) for l, r in zip(logprobs, ref_logits)]).mean()
+            top_logprob = [l.gather(-1, r.argmax(-1, keepdim=True))[:, 0] for l, r in zip(logprobs, ref_logits)]
+        off = torch.cat([(t - w).abs() for t, w in zip(top_logprob, wanted)]).nanmean()
+        error = f"  |log p(top) error| {off:.4f}" + ("" if logprobs is None else f"  KL {kl:.5f}")
         print(f"{name:<28} {100 * agree / positions:6.2f} % argmax agreement{error}{note}")
 
     print(f"{args.model}: {len(sequences)} prompts x {args.tokens} float32 greedy tokens; {positions} positions "
@@ -137,19 +165,20 @@ def main() -> None:
     score("float32 (reference)", [r.argmax(-1) for r in ref_logits], ref_logits)
     with torch.inference_mode():
         bf16 = reference.to(torch.bfloat16)
-        logits = [bf16(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float() for prompt, full in sequences]
+        logits = [bf16(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1) for prompt, full in sequences]
         score("transformers bf16", [l.argmax(-1) for l in logits], logits)
         del bf16, reference
     for quant in ("none", "auto"):
         model, _ = loader.load(resolved, cpu, loader.resolve_dtype("auto", cpu, loader.family(resolved)), with_tokenizer=False)
         engine = Engine(model, tokenizer, EngineConfig(quant=quant, prefix_cache=False), name=resolved.name, source=resolved)
         with torch.inference_mode():
-            logits = engine_argmax(engine, sequences)
-        score(f"tuichat {engine.weights}", [l.argmax(-1) for l in logits], logits, f"  (layers {engine.layers})")
+            logits = [l.log_softmax(-1) for l in engine_argmax(engine, sequences)]
+        score(f"tuichat {engine.weights}", [l.argmax(-1) for l in logits], logits, note=f"  (layers {engine.layers})")
         engine.close()
     if resolved.kind == "gguf" and args.llama_server:
-        picks = llama_server_argmax(args.llama_server, resolved.source, sequences, torch.get_num_threads())
-        score("llama.cpp (same GGUF)", [torch.tensor(p) for p in picks])
+        picks, top = llama_server_argmax(args.llama_server, resolved.source, sequences, torch.get_num_threads(),
+                                         [r.argmax(-1).tolist() for r in ref_logits])
+        score("llama.cpp (same GGUF)", [torch.tensor(p) for p in picks], top_logprob=[torch.tensor(t) for t in top])
     else:
         print("llama.cpp: skipped (no llama-server: --llama-server PATH or TUICHAT_LLAMA_SERVER)", file=sys.stderr)
 

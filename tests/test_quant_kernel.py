@@ -89,6 +89,26 @@ def test_quantized_linear_is_its_methods_reference_to_bf16_rounding(kernels, nam
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("n,k", [(48, 576), (32, 96)])
+def test_float32_activations_in_and_out_are_the_reference_to_fp32_rounding(kernels, name, n, k):
+    """The packed decoder's path (decoder.c keeps activations fp32): the inputs are not rounded to bf16 first and
+    the outputs not rounded after, so the result is its method's reference within fp32 summation error, a
+    few hundred times closer than one bf16 step."""
+    fmt = FORMATS[name]
+    blocks = quantized(fmt, n, k, seed=n + k + fmt)
+    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))  # fp32, not bf16 values
+    assert not torch.equal(x, x.bfloat16().float())
+    y = kernels.linear(x, weight, None)
+    assert y.dtype is torch.float32
+    exact = reference(x, blocks, fmt, k, "fp32" if kernels.quant_math(fmt, k) == "fp32" else "int8")
+    d, m, q = decode(blocks, fmt, k)
+    magnitude = np.abs(x.numpy()).astype(np.float64) @ (np.abs(q) * np.repeat(np.abs(d), 32, axis=1) + (
+        np.repeat(np.abs(m), 32, axis=1) if m is not None else 0)).T
+    assert (np.abs(y.double().numpy() - exact) <= magnitude * 2.0**-20).all()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_a_rows_result_does_not_depend_on_its_batch(kernels, name):
     fmt, k = FORMATS[name], 576
     blocks = quantized(fmt, 64, k, seed=fmt)

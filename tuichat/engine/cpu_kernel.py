@@ -64,7 +64,7 @@ class CpuKernels:
         self._any = library.any_linear
         self._any.restype = ctypes.c_int
         self._any.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [
-            ctypes.c_long] * 2 + [ctypes.c_int]
+            ctypes.c_long] * 2 + [ctypes.c_int] * 2
 
     @staticmethod
     def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -96,15 +96,18 @@ class CpuKernels:
         return out
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] bf16 with at most MAX_ROWS rows times a quant.PackedWeight (bf16 or GGUF blocks)."""
+        """x [..., K] with at most MAX_ROWS rows times a quant.PackedWeight (bf16 or GGUF blocks): bf16 in, bf16
+        out, or float32 in, float32 out (the quantized path's activations; see decoder.c)."""
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the CPU linear takes bf16 or float32 inputs, not {x.dtype}")
         rows = x.reshape(-1, weight.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], weight.out_features, dtype=torch.bfloat16)
+        y = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
         status = self._any(
             rows.data_ptr(), weight.data.data_ptr(), weight.format, bias.data_ptr() if bias is not None else None,
             y.data_ptr(), rows.shape[0], weight.out_features, weight.in_features, rows.stride(0), weight.out_features,
-            torch.get_num_threads(),
+            torch.get_num_threads(), int(x.dtype is torch.float32),
         )
         if status != 0:
             raise RuntimeError(f"any_linear failed ({status}) for {tuple(rows.shape)} x {weight.format}")

@@ -1,5 +1,6 @@
 /* The decoder layers of a llama-family model (llama, mistral, qwen2) in one call, for steps of 1 to 512 rows,
- * in bf16; built with the linears (amx_linear.c or vector_linear.c) and driven by native.py.
+ * in bf16 (or, with weights in a GGUF's blocks, fp32 over an f16 cache: see rms_norm_f32); built with the
+ * linears (amx_linear.c or vector_linear.c) and driven by native.py.
  *
  * Why: with the matmuls in our AMX kernel, a decode step through transformers' modules still spent ~10 ms of
  * ~28 in some 1,600 small torch ops and their Python: norms, rotary, casts, gathers, adds. Here a layer is
@@ -36,21 +37,43 @@ static void add_into(uint16_t *x, const uint16_t *y, long n) {
     for (long i = 0; i < n; i += LANES) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
 }
 
-/* The same two for a residual stream kept in fp32 (as llama.cpp keeps its activations), for weights served
- * in a GGUF's own blocks: there is no bf16 model to mirror, only the float32 one the file dequantizes to. */
-static void rms_norm_f32(const float *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps) {
+/* The fp32 path, for weights served as a GGUF stores them: there is no bf16 model to mirror, only the float32
+ * one the file dequantizes to, so every activation stays fp32 (as llama.cpp keeps them) and the KV cache is
+ * f16 (as llama.cpp's): a bf16 rounding of each linear's input before its int8 quantization, and a bf16 cache,
+ * each measurably moved the replies further from float32's (scripts/fidelity.py). */
+static void rms_norm_f32(const float *x, const uint16_t *weight, float *out, int rows, int width, float eps) {
     for (int t = 0; t < rows; t++) {
         const float *row = x + (long)t * width;
         vf squares = {};
         for (int i = 0; i < width; i += LANES) { vf v = load_f32(row + i); squares += v * v; }
         vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
         for (int i = 0; i < width; i += LANES)
-            store_bf16(out + (long)t * width + i, load_f32(row + i) * scale * load_bf16(weight + i));
+            store_f32(out + (long)t * width + i, load_f32(row + i) * scale * load_bf16(weight + i));
     }
 }
 
-static void add_into_f32(float *x, const uint16_t *y, long n) {
-    for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_bf16(y + i));
+static void add_into_f32(float *x, const float *y, long n) {
+    for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_f32(y + i));
+}
+
+static void rotate_f32(float *head, const float *cos, const float *sin, int dim) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i += LANES) {
+        vf x1 = load_f32(head + i), x2 = load_f32(head + half + i);
+        store_f32(head + i, x1 * load_f32(cos + i) - x2 * load_f32(sin + i));
+        store_f32(head + half + i, x2 * load_f32(cos + half + i) + x1 * load_f32(sin + half + i));
+    }
+}
+
+static void silu_mul_f32(const float *gate_up, float *out, int rows, int width, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * width >= 16384)
+    for (int t = 0; t < rows; t++) {
+        const float *gate = gate_up + (long)t * 2 * width, *up = gate + width;
+        for (int i = 0; i < width; i += LANES) {
+            vf g = load_f32(gate + i);
+            store_f32(out + (long)t * width + i, g / (1.0f + vexp(-g)) * load_f32(up + i));
+        }
+    }
 }
 
 /* q * cos + rotate_half(q) * sin over one head, each product and the sum rounded as torch does. */
@@ -106,7 +129,7 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
 }
 
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
- * row's first n positions, rounded once to bf16. With AMX the scores come from tiles: 16 keys of one cache
+ * row's first n positions, rounded once to bf16 (with f32: q and the result fp32, the cache f16, see above). With AMX the scores come from tiles: 16 keys of one cache
  * block are one A tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B
  * tile; two blocks go at once, so one block's multiply hides the other's latency (needs attention_tiles()).
  * Without AMX, one vector dot product per key and head. Softmax and the weighted sum of values run in fp32.
@@ -115,13 +138,18 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
  * attend(), which fixes group and dim so that the accumulators live in registers; each of those 16 shapes
  * costs compile time (~6 s for the first build), which is paid once per machine. */
 static inline __attribute__((always_inline)) void attend_shape(
-        const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-        int block_size, int n, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work) {
+        const void *q_in, void *out, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+        int block_size, int n, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
+        const int f32) {
     const int chunks = dim / LANES;
     int padded = (n + 31) / 32 * 32;
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
     const uint16_t *k_head = k_cache + (long)kv_head * dim, *v_head = v_cache + (long)kv_head * dim;
+    const uint16_t *q = q_in;
+    const float *q_f32 = q_in;
+#define LOAD_KV(p) (f32 ? load_f16(p) : load_bf16(p))
 #ifdef __AMX_TILE__
+    if (!f32) {  /* AMX multiplies bf16 only */
     uint32_t pairs[4][16][8];  /* per 32 dims: [pair][head] = (q[2i], q[2i+1]); dim <= 128, group <= 8 */
     for (int c = 0; c < dim / 32; c++)
         for (int i = 0; i < 16; i++)
@@ -148,16 +176,19 @@ static inline __attribute__((always_inline)) void attend_shape(
         for (int j0 = 0; j0 < n; j0 += 16)
             _mm512_storeu_ps(work + (long)h * padded + j0,
                              _mm512_mul_ps(_mm512_i32gather_ps(by_head, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
-#else
+    } else
+#endif
+    {
     vf qv[8][128 / LANES];
     for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) qv[h][c] = load_bf16(q + (long)h * dim + LANES * c);
+        for (int c = 0; c < chunks; c++)
+            qv[h][c] = f32 ? load_f32(q_f32 + (long)h * dim + LANES * c) : load_bf16(q + (long)h * dim + LANES * c);
     for (int j0 = 0; j0 < n; j0 += 16) {
         if (j0 % 32 == 0) prefetch_ahead(k_head, v_head, table, block_size, n, stride, dim, j0);
         const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
         for (int j = j0; j < n && j < j0 + 16; j++) {
             vf kv[128 / LANES];
-            for (int c = 0; c < chunks; c++) kv[c] = load_bf16(keys + (j - j0) * stride + LANES * c);
+            for (int c = 0; c < chunks; c++) kv[c] = LOAD_KV(keys + (j - j0) * stride + LANES * c);
             for (int h = 0; h < group; h++) {
                 vf dot = qv[h][0] * kv[0];
                 for (int c = 1; c < chunks; c++) dot += qv[h][c] * kv[c];
@@ -165,7 +196,7 @@ static inline __attribute__((always_inline)) void attend_shape(
             }
         }
     }
-#endif
+    }
     float inverse[8];
     for (int h = 0; h < group; h++) inverse[h] = softmax_numerators(work + (long)h * padded, n);
     vf acc[8][128 / LANES];
@@ -176,7 +207,7 @@ static inline __attribute__((always_inline)) void attend_shape(
         if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
         for (int j = j0; j < n && j < j0 + 16; j++) {
             vf vv[128 / LANES];
-            for (int c = 0; c < chunks; c++) vv[c] = load_bf16(values + (j - j0) * stride + LANES * c);
+            for (int c = 0; c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
             for (int h = 0; h < group; h++) {
                 vf weight = splat(work[(long)h * padded + j]);
                 for (int c = 0; c < chunks; c++) acc[h][c] += weight * vv[c];
@@ -184,18 +215,27 @@ static inline __attribute__((always_inline)) void attend_shape(
         }
     }
     for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) store_bf16(out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
+        for (int c = 0; c < chunks; c++) {
+            if (f32) store_f32((float *)out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
+            else store_bf16((uint16_t *)out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
+        }
+#undef LOAD_KV
 }
 
-static void attend(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
+static void attend(const void *q, void *out, const uint16_t *k_cache, const uint16_t *v_cache,
                    const int32_t *table, int block_size, int n, int kv_heads, int kv_head, int group, int dim,
-                   float scale, float *work) {
-#define SHAPE(G, D) case G * 1000 + D: attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, G, D, scale, work); return;
-    switch (group * 1000 + dim) {
-        SHAPE(1, 64) SHAPE(2, 64) SHAPE(3, 64) SHAPE(4, 64) SHAPE(5, 64) SHAPE(6, 64) SHAPE(7, 64) SHAPE(8, 64)
-        SHAPE(1, 128) SHAPE(2, 128) SHAPE(3, 128) SHAPE(4, 128) SHAPE(5, 128) SHAPE(6, 128) SHAPE(7, 128) SHAPE(8, 128)
-        default: attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, group, dim, scale, work);
+                   float scale, float *work, int f32) {
+#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, G, D, scale, work, F); return;
+#define SHAPES(F) SHAPE(1, 64, F) SHAPE(2, 64, F) SHAPE(3, 64, F) SHAPE(4, 64, F) SHAPE(5, 64, F) SHAPE(6, 64, F) \
+    SHAPE(7, 64, F) SHAPE(8, 64, F) SHAPE(1, 128, F) SHAPE(2, 128, F) SHAPE(3, 128, F) SHAPE(4, 128, F) SHAPE(5, 128, F) \
+    SHAPE(6, 128, F) SHAPE(7, 128, F) SHAPE(8, 128, F)
+    switch (!!f32 * 100000 + group * 1000 + dim) {
+        SHAPES(0) SHAPES(1)
+        default:
+            if (f32) attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, group, dim, scale, work, 1);
+            else attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, group, dim, scale, work, 0);
     }
+#undef SHAPES
 #undef SHAPE
 }
 
@@ -229,14 +269,18 @@ static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width
 enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE,
        QKV_FMT, O_FMT, GATE_UP_FMT, DOWN_FMT, PER_LAYER };
 
-int any_linear(const uint16_t *x, const void *w, int format, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads);
+int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads, int f32);
 
-/* hidden [rows, width] (the embeddings in, the last layer's output out): bf16, rounded where transformers
- * rounds, or with `fp32_residual` fp32 (the residual stream unrounded; see rms_norm_f32); cos/sin [rows, dim];
- * layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds num_blocks
- * blocks. 0 on success, -3 for a block table or position outside the cache. */
-int decoder_forward(void *hidden, int fp32_residual, const uint16_t *cos, const uint16_t *sin, const int32_t *pos,
+/* The step's intermediates, kept by the calling thread (the engine's) and grown as needed: no allocation per
+ * step. */
+static __thread struct { void *memory; size_t size; } scratch;
+
+/* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin [rows, dim]: bf16, rounded
+ * where transformers rounds, or with `f32` fp32, every activation unrounded and the cache f16 (see
+ * rms_norm_f32); layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds
+ * num_blocks blocks. 0 on success, -3 for a block table or position outside the cache. */
+int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, const int32_t *pos,
                     const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
                     const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
                     int block_size, float eps, float scale, int threads) {
@@ -250,52 +294,75 @@ int decoder_forward(void *hidden, int fp32_residual, const uint16_t *cos, const 
         if (pos[t] < 0 || table_off[t] < 0 || (long)table_off[t] + pos[t] / block_size >= tables_len) return -3;
     int longest = 0;
     for (int t = 0; t < rows; t++) longest = pos[t] + 1 > longest ? pos[t] + 1 : longest;
-    uint16_t *normed = malloc(sizeof(uint16_t) * rows * width), *tmp = malloc(sizeof(uint16_t) * rows * width);
-    uint16_t *qkv = malloc(sizeof(uint16_t) * rows * qkv_width), *attn = malloc(sizeof(uint16_t) * rows * heads * dim);
-    uint16_t *gate_up = malloc(sizeof(uint16_t) * rows * 2 * inter), *act = malloc(sizeof(uint16_t) * rows * inter);
-    float *work = malloc(sizeof(float) * (size_t)threads * 2 * group * ((longest + 31) / 32 * 32));
-    int status = normed && tmp && qkv && attn && gate_up && act && work ? 0 : -2;
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = 2 * group * ((longest + 31) / 32 * 32);
+    const size_t counts[] = {(size_t)rows * width, (size_t)rows * width, (size_t)rows * qkv_width,
+                             (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
+    size_t need = sizeof(float) * (size_t)threads * per_thread;
+    for (int i = 0; i < 6; i++) need += (counts[i] * elem + 63) / 64 * 64;
+    if (need > scratch.size) {
+        free(scratch.memory);
+        scratch.memory = malloc(need);
+        scratch.size = scratch.memory ? need : 0;
+        if (!scratch.memory) return -2;
+    }
+    char *buffers[6], *next = scratch.memory;
+    for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
+    void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *act = buffers[5];
+    float *work = (float *)next;
+    int status = 0;
     for (int l = 0; l < num_layers && status == 0; l++) {
         const uint64_t *p = layers + (long)l * PER_LAYER;
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
-        if (fp32_residual) rms_norm_f32(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
+        if (f32) rms_norm_f32(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
-        status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads);
+        status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads, f32);
         for (int t = 0; t < rows; t++) {
-            uint16_t *row = qkv + (long)t * qkv_width;
-            for (int h = 0; h < heads + kv_heads; h++) rotate(row + (long)h * dim, cos + (long)t * dim, sin + (long)t * dim, dim);
             const int32_t *table = tables + table_off[t];
-            long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size;
-            memcpy(k_cache + slot * kv_heads * dim, row + (long)heads * dim, sizeof(uint16_t) * kv_heads * dim);
-            memcpy(v_cache + slot * kv_heads * dim, row + (long)(heads + kv_heads) * dim, sizeof(uint16_t) * kv_heads * dim);
+            long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
+            if (f32) {
+                float *row = (float *)qkv + (long)t * qkv_width;
+                for (int h = 0; h < heads + kv_heads; h++)
+                    rotate_f32(row + (long)h * dim, (const float *)cos + (long)t * dim, (const float *)sin + (long)t * dim, dim);
+                for (long i = 0; i < kv_width; i += LANES) {
+                    store_f16(k_cache + slot * kv_width + i, load_f32(row + (long)heads * dim + i));
+                    store_f16(v_cache + slot * kv_width + i, load_f32(row + (long)(heads + kv_heads) * dim + i));
+                }
+            } else {
+                uint16_t *row = (uint16_t *)qkv + (long)t * qkv_width;
+                for (int h = 0; h < heads + kv_heads; h++)
+                    rotate(row + (long)h * dim, (const uint16_t *)cos + (long)t * dim, (const uint16_t *)sin + (long)t * dim, dim);
+                memcpy(k_cache + slot * kv_width, row + (long)heads * dim, sizeof(uint16_t) * kv_width);
+                memcpy(v_cache + slot * kv_width, row + (long)(heads + kv_heads) * dim, sizeof(uint16_t) * kv_width);
+            }
         }
         #pragma omp parallel num_threads(threads)
         {
 #ifdef __AMX_TILE__
-            attention_tiles(group);
+            if (!f32) attention_tiles(group);
 #endif
-            float *mine = work + (size_t)omp_get_thread_num() * 2 * group * ((longest + 31) / 32 * 32);
+            float *mine = work + (size_t)omp_get_thread_num() * per_thread;
             #pragma omp for schedule(dynamic)
             for (int task = 0; task < rows * kv_heads; task++) {
                 int t = task / kv_heads, g = task % kv_heads;
-                attend(qkv + (long)t * qkv_width + (long)g * group * dim, attn + (long)t * heads * dim + (long)g * group * dim,
-                       k_cache, v_cache, tables + table_off[t], block_size, pos[t] + 1, kv_heads, g, group, dim, scale, mine);
+                attend((const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
+                       (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem,
+                       k_cache, v_cache, tables + table_off[t], block_size, pos[t] + 1, kv_heads, g, group, dim, scale, mine, f32);
             }
 #ifdef __AMX_TILE__
-            _tile_release();
+            if (!f32) _tile_release();
 #endif
         }
-        status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads);
-        if (fp32_residual) add_into_f32(hidden, tmp, (long)rows * width);
+        status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
+        if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
-        if (fp32_residual) rms_norm_f32(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
+        if (f32) rms_norm_f32(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
-        status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads);
-        silu_mul(gate_up, act, rows, inter, threads);
-        status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads);
-        if (fp32_residual) add_into_f32(hidden, tmp, (long)rows * width);
+        status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads, f32);
+        if (f32) silu_mul_f32(gate_up, act, rows, inter, threads);
+        else silu_mul(gate_up, act, rows, inter, threads);
+        status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads, f32);
+        if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
     }
-    free(normed); free(tmp); free(qkv); free(attn); free(gate_up); free(act); free(work);
     return status;
 }

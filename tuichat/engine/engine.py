@@ -140,6 +140,8 @@ class Engine:
                 self.runner.close()  # tensor-parallel workers must not outlive a refused model
             raise
         if packed and self.layers == "C":
+            # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
+            self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
             self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel, packed))
             _drop_bf16_linears(model, "lm_head" in packed)
         self.eos_ids = eos_token_ids(model, tokenizer)

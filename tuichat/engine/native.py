@@ -1,5 +1,6 @@
 """Steps of up to 512 rows (decodes, prefill chunks, both mixed) of a llama-family model in bf16 on a CPU run
-through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops.
+through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops. With weights packed in a
+GGUF's blocks, every step runs there, its activations in fp32 and its KV cache in f16, as llama.cpp's.
 
 transformers still does what is one op per step anyway: the embedding lookup, the rotary cos/sin (so every
 RoPE variant it knows keeps working) and the final norm; the lm_head goes through our linear. Longer steps,
@@ -97,6 +98,8 @@ class NativeDecoder:
         self.kernel = kernel
         packed = packed or {}
         self.every_step = bool(packed)
+        # Packed weights: fp32 activations over an f16 cache, as llama.cpp keeps them (see decoder.c).
+        self.kv_dtype = torch.float16 if packed else torch.bfloat16
         layers = model.model.layers
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.scale = layers[0].self_attn.scaling
@@ -139,7 +142,7 @@ class NativeDecoder:
             ]
             for tensor, shape in expected:
                 if tensor is not None and shape is not None:
-                    _check(tensor, shape, f"layer {i}")
+                    _check(tensor, shape, f"layer {i}", self.kv_dtype if tensor is kv.k[i] or tensor is kv.v[i] else torch.bfloat16)
             addresses += [0 if t is None else t.data_ptr() for t, _ in expected] + [w.format for w in weights]
             self.weights += weights
         if self.head is not None:
@@ -162,7 +165,7 @@ class NativeDecoder:
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is None:
-            return self.model.lm_head(x)
+            return self.model.lm_head(x.to(self.model.lm_head.weight.dtype))
         return self.kernel.linear(x, self.head, self.model.lm_head.bias)
 
     @torch.inference_mode()
@@ -176,18 +179,18 @@ class NativeDecoder:
             tables += chunk.block_table
         model = self.model.model
         hidden = model.embed_tokens(torch.tensor(tokens))  # a fresh tensor: decoder.c updates it in place
-        position_ids = torch.tensor(positions)
-        cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))  # bf16, from hidden's
-        if self.every_step:  # a GGUF's own blocks: the residual stream in fp32 (see decoder.c's rms_norm_f32)
+        if self.every_step:  # packed weights: every activation in fp32 (see decoder.c's rms_norm_f32)
             hidden = hidden.float()
+        position_ids = torch.tensor(positions)
+        cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))  # in hidden's dtype
         position_ids = position_ids.int()
         table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
         tables_t = torch.tensor(tables, dtype=torch.int32)
         shape = self.shape
         # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
-        _check(hidden, (len(tokens), shape.hidden), "hidden states", torch.float32 if self.every_step else torch.bfloat16)
-        _check(cos, (len(tokens), shape.head_dim), "rotary cos")
-        _check(sin, (len(tokens), shape.head_dim), "rotary sin")
+        _check(hidden, (len(tokens), shape.hidden), "hidden states", hidden.dtype)
+        _check(cos, (len(tokens), shape.head_dim), "rotary cos", hidden.dtype)
+        _check(sin, (len(tokens), shape.head_dim), "rotary sin", hidden.dtype)
         # A longer step in pieces of MAX_ROWS, in order: a piece's rows find the K/V of the pieces before it
         # in the cache, as they would their own.
         for a in range(0, len(tokens), MAX_ROWS):
@@ -202,5 +205,5 @@ class NativeDecoder:
                 raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
         if not sample_rows:
             return None
-        last = model.norm(hidden[sample_rows])  # fp32 in, fp32 out (the bf16 weight is promoted)
-        return self.lm_head(last.to(torch.bfloat16)).float()
+        last = model.norm(hidden[sample_rows])  # packed: fp32 in, fp32 out (the bf16 weight is promoted)
+        return self.lm_head(last).float()

@@ -22,13 +22,18 @@
 #endif
 
 /* An NR x mr tile's sums (sums[j * NR + i]: weight row n0 + i, input row m0 + j; NR * MR == LANES), plus
- * the bias, rounded to bf16 into y. */
-static inline void store_tile(const vf *sums, const uint16_t *bias, uint16_t *y, long y_stride, int n0, int m0, int mr) {
+ * the bias, into y: fp32 as they are, or rounded to bf16. */
+static inline void store_tile(const vf *sums, const uint16_t *bias, void *y, long y_stride, int n0, int m0, int mr,
+                              const int f32) {
     vf out = sum_each(sums);
     if (bias)
         for (int l = 0; l < LANES; l++) out[l] += bf16_to_float(bias[n0 + l % NR]);
+    if (f32) {
+        for (int j = 0; j < mr; j++) memcpy((float *)y + (long)(m0 + j) * y_stride + n0, (float *)&out + j * NR, NR * sizeof(float));
+        return;
+    }
     vh rounded = to_bf16(out);
-    for (int j = 0; j < mr; j++) memcpy(y + (long)(m0 + j) * y_stride + n0, (uint16_t *)&rounded + j * NR, NR * sizeof(uint16_t));
+    for (int j = 0; j < mr; j++) memcpy((uint16_t *)y + (long)(m0 + j) * y_stride + n0, (uint16_t *)&rounded + j * NR, NR * sizeof(uint16_t));
 }
 
 /* NR weight rows (fp32, wf[i * K + k]) times mr input rows (fp32, xf[(m0 + j) * K + k]). */
@@ -46,7 +51,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const fl
     vf sums[LANES] = {};
     for (int j = 0; j < mr; j++)
         for (int i = 0; i < NR; i++) sums[j * NR + i] = acc[i][j];
-    store_tile(sums, bias, y, y_stride, n0, m0, mr);
+    store_tile(sums, bias, y, y_stride, n0, m0, mr, 0);
 }
 
 /* Every MR-row tile of the M input rows, then the rest, with tile sizes known at compile time. */
@@ -62,12 +67,16 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const fl
     } while (0)
 #define F32_TILE(mr, m0) tile(xf, mine, bias, y, K, y_stride, n0, m0, mr)
 
-/* x (bf16, strided rows) widened to fp32, [M][K]; NULL if out of memory. */
-static float *widen_rows(const uint16_t *x, int M, int K, long x_stride) {
+/* x (bf16, or fp32 with f32; strided rows) as fp32, [M][K]; NULL if out of memory. */
+static float *widen_rows(const void *x, int f32, int M, int K, long x_stride) {
     float *xf = malloc(sizeof(float) * (size_t)M * K);
     if (xf)
-        for (int m = 0; m < M; m++)
-            for (int k = 0; k < K; k += LANES) store_f32(xf + (long)m * K + k, load_bf16(x + (long)m * x_stride + k));
+        for (int m = 0; m < M; m++) {
+            if (f32) memcpy(xf + (long)m * K, (const float *)x + (long)m * x_stride, sizeof(float) * K);
+            else
+                for (int k = 0; k < K; k += LANES)
+                    store_f32(xf + (long)m * K + k, load_bf16((const uint16_t *)x + (long)m * x_stride + k));
+        }
     return xf;
 }
 
@@ -92,7 +101,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, l
     vf sums[LANES] = {};
     for (int j = 0; j < mr; j++)
         for (int i = 0; i < NR; i++) sums[j * NR + i] = (vf)acc[i][j];
-    store_tile(sums, bias, y, y_stride, n0, m0, mr);
+    store_tile(sums, bias, y, y_stride, n0, m0, mr, 0);
 }
 #endif
 
@@ -103,7 +112,7 @@ static int vector_linear(const uint16_t *x, const uint16_t *w, const uint16_t *b
                          int K, long x_stride, long y_stride, int threads) {
     if (M < 1 || M > 512 || K % 32 || N % 16) return -1;
 #ifndef __AVX512BF16__
-    float *xf = widen_rows(x, M, K, x_stride), *wf = malloc(sizeof(float) * (size_t)threads * NR * K);
+    float *xf = widen_rows(x, 0, M, K, x_stride), *wf = malloc(sizeof(float) * (size_t)threads * NR * K);
     if (!xf || !wf) { free(xf); free(wf); return -2; }
 #endif
     int full = M / MR * MR;
@@ -206,8 +215,8 @@ static inline __attribute__((always_inline)) vf block_values(const uint8_t *quan
 static inline __attribute__((always_inline)) void block_tile(const float *xf, const uint8_t *w, long row_bytes,
                                                              const int format, float (*scales)[MAX_BLOCKS],
                                                              float (*offsets)[MAX_BLOCKS], const uint16_t *bias,
-                                                             uint16_t *y, int K, long y_stride, int n0, int m0,
-                                                             const int mr) {
+                                                             void *y, int K, long y_stride, int n0, int m0,
+                                                             const int mr, int f32) {
     vf acc[NR][MR] = {};
     for (int b = 0; b < K / 32; b++) {
         for (int c = 0; c < 32; c += LANES) {
@@ -225,16 +234,16 @@ static inline __attribute__((always_inline)) void block_tile(const float *xf, co
     vf sums[LANES] = {};
     for (int j = 0; j < mr; j++)
         for (int i = 0; i < NR; i++) sums[j * NR + i] = acc[i][j];
-    store_tile(sums, bias, y, y_stride, n0, m0, mr);
+    store_tile(sums, bias, y, y_stride, n0, m0, mr, f32);
 }
 
 /* y[m, n] = x[m, :] . dequantized(w)[n, :] (+ bias[n]), the inputs in fp32: w is N planar rows of K / 32 blocks
  * of `format`, here the quants in GGUF's own order. Where the int8 path below does not run. */
-static int dequantized_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y,
-                            int M, int N, int K, long x_stride, long y_stride, int threads) {
+static int dequantized_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
+                              int N, int K, long x_stride, long y_stride, int threads, int f32) {
     int bytes = block_bytes(format), blocks = K / 32;
     long row_bytes = (long)blocks * bytes, quant_bytes = format == FMT_Q8_0 ? K : K / 2;
-    float *xf = widen_rows(x, M, K, x_stride);
+    float *xf = widen_rows(x, f32, M, K, x_stride);
     if (!xf) return -2;
     int full = M / MR * MR;
     #pragma omp parallel num_threads(threads)
@@ -250,9 +259,9 @@ static int dequantized_linear(const uint16_t *x, const uint8_t *w, int format, c
                     for (int b = 0; b < blocks; b++) offsets[i][b] = -8.0f * scales[i][b];
             }
             /* One specialised copy per format: the format is a constant inside the tile. */
-#define Q4_0_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q4_0, scales, offsets, bias, y, K, y_stride, n0, m0, mr)
-#define Q4_1_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q4_1, scales, offsets, bias, y, K, y_stride, n0, m0, mr)
-#define Q8_0_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q8_0, scales, offsets, bias, y, K, y_stride, n0, m0, mr)
+#define Q4_0_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q4_0, scales, offsets, bias, y, K, y_stride, n0, m0, mr, f32)
+#define Q4_1_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q4_1, scales, offsets, bias, y, K, y_stride, n0, m0, mr, f32)
+#define Q8_0_TILE(mr, m0) block_tile(xf, w, row_bytes, FMT_Q8_0, scales, offsets, bias, y, K, y_stride, n0, m0, mr, f32)
             switch (format) {
                 case FMT_Q4_0: ALL_TILES(Q4_0_TILE); break;
                 case FMT_Q4_1: ALL_TILES(Q4_1_TILE); break;
@@ -306,18 +315,19 @@ static inline __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* Input rows [first, last) into `out`, a pair of blocks at a time (K % 64 == 0). */
-static void quantize_inputs(const uint16_t *x, int first, int last, int K, long x_stride, quantized_inputs *out,
+/* Input rows [first, last) (bf16, or fp32 with f32) into `out`, a pair of blocks at a time (K % 64 == 0). */
+static void quantize_inputs(const void *x, int f32, int first, int last, int K, long x_stride, quantized_inputs *out,
                             int stride) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = first; m < last; m++) {
-        const uint16_t *row = x + (long)m * x_stride;
+        const uint16_t *row = (const uint16_t *)x + (long)m * x_stride;
+        const float *row_f32 = (const float *)x + (long)m * x_stride;
         for (int p = 0; p < K / 64; p++) {
             __m128i halves[2][2];  /* [block of the pair][weights 0..15, 16..31] */
             for (int side = 0; side < 2; side++) {
                 int b = 2 * p + side;
                 __m256 v[4];
-                for (int g = 0; g < 4; g++) v[g] = bf16x8(row + b * 32 + 8 * g);
+                for (int g = 0; g < 4; g++) v[g] = f32 ? _mm256_loadu_ps(row_f32 + b * 32 + 8 * g) : bf16x8(row + b * 32 + 8 * g);
                 __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
                 __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
@@ -352,8 +362,8 @@ static void quantize_inputs(const uint16_t *x, int first, int last, int K, long 
 #endif
 static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, long row_bytes, const int format,
                                                             const quantized_inputs *in, const uint16_t *bias,
-                                                            uint16_t *y, int K, long y_stride, int n0, int m0,
-                                                            const int mr) {
+                                                            void *y, int K, long y_stride, int n0, int m0,
+                                                            const int mr, int f32) {
     const int blocks = K / 32, stride = (blocks + 7) / 8 * 8, pair_bytes = format == FMT_Q8_0 ? 64 : 32;
     const long quant_bytes = format == FMT_Q8_0 ? K : K / 2;
     const __m256i low = _mm256_set1_epi8(15);
@@ -388,7 +398,7 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
         }
     }
     /* The minimums' term, sum over blocks of m * sx: Q4_1's own m, else a multiple of the scale. Then the four
-     * rows' sums at once: one reduction tree, the bias, bf16 rounding, one store. */
+     * rows' sums at once: one reduction tree, the bias, (bf16 rounding,) one store. */
     const long m_offset = quant_bytes + (format == FMT_Q4_1 ? 2 * blocks : 0);
     const __m256 factor = _mm256_set1_ps(format == FMT_Q4_1 ? 1.0f : format == FMT_Q8_0 ? -128.0f : -8.0f);
     __m128 add = _mm_setzero_ps();
@@ -409,18 +419,22 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
         }
         __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
         __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)), add);
+        if (f32) {
+            _mm_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, sums);
+            continue;
+        }
         __m128i u = _mm_castps_si128(sums);  /* to bf16, nearest even, as to_bf16 */
         __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)),
                                                        _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))), 16);
         __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(sums, sums));
         rounded = _mm_blendv_epi8(rounded, _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40)), nan);
         __m128i packed = _mm_packus_epi32(rounded, rounded);
-        _mm_storel_epi64((__m128i *)(y + (long)(m0 + j) * y_stride + n0), packed);
+        _mm_storel_epi64((__m128i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), packed);
     }
 }
 
-static int int8_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y, int M,
-                       int N, int K, long x_stride, long y_stride, int threads) {
+static int int8_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+                       int K, long x_stride, long y_stride, int threads, int f32) {
     int blocks = K / 32, padded = (blocks + 7) / 8 * 8;  /* each input row's dx and sx, padded to 8 */
     long row_bytes = (long)blocks * block_bytes(format);
     quantized_inputs in = {malloc((size_t)M * K), calloc((size_t)M * padded, sizeof(float)),
@@ -430,15 +444,15 @@ static int int8_linear(const uint16_t *x, const uint8_t *w, int format, const ui
     #pragma omp parallel num_threads(threads)
     {
     int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
-    quantize_inputs(x, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, &in, padded);
+    quantize_inputs(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, &in, padded);
     #pragma omp barrier
     #pragma omp for schedule(dynamic, 4)
     for (int n0 = 0; n0 < N; n0 += I8_NR) {
         if (n0 + I8_NR < N)  /* the next tile's rows, usually this thread's next: ask for them while this one runs */
             for (long b = 0; b < I8_NR * row_bytes; b += 64) __builtin_prefetch(w + (n0 + I8_NR) * row_bytes + b, 0, 3);
-#define I4_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_0, &in, bias, y, K, y_stride, n0, m0, mr)
-#define I4_1_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_1, &in, bias, y, K, y_stride, n0, m0, mr)
-#define I8_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q8_0, &in, bias, y, K, y_stride, n0, m0, mr)
+#define I4_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
+#define I4_1_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_1, &in, bias, y, K, y_stride, n0, m0, mr, f32)
+#define I8_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q8_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
 #define I8_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += I8_MR) TILE(I8_MR, m0); \
@@ -475,16 +489,24 @@ static inline int tiled_block_bytes(int format) {
     return format == FMT_Q8_0 ? 512 + 32 : format == FMT_Q4_1 ? 256 + 64 : 256 + 32;
 }
 
-/* Input rows [first, last): int8 quants in their own order (q, M x K), and per block dx and sx = dx * sum(q). */
-static void quantize_rows(const uint16_t *x, int first, int last, int K, long x_stride, int8_t *q, float *dx,
+/* Input rows [first, last) (bf16, or fp32 with f32): int8 quants in their own order (q, M x K), and per block dx
+ * and sx = dx * sum(q). */
+static void quantize_rows(const void *x, int f32, int first, int last, int K, long x_stride, int8_t *q, float *dx,
                           float *sx) {
     const int blocks = K / 32;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int m = first; m < last; m++)
         for (int b = 0; b < blocks; b++) {
-            const uint16_t *p = x + (long)m * x_stride + b * 32;
-            __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            __m512 v0, v1;
+            if (f32) {
+                const float *p = (const float *)x + (long)m * x_stride + b * 32;
+                v0 = _mm512_loadu_ps(p);
+                v1 = _mm512_loadu_ps(p + 16);
+            } else {
+                const uint16_t *p = (const uint16_t *)x + (long)m * x_stride + b * 32;
+                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            }
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
             float d = amax / 127.0f;
             __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
@@ -499,8 +521,8 @@ static void quantize_rows(const uint16_t *x, int first, int last, int K, long x_
 
 static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
                                                              const int8_t *q, const float *dx, const float *sx,
-                                                             int K, const uint16_t *bias, uint16_t *y,
-                                                             long y_stride, int n0, int m0, const int mr) {
+                                                             int K, const uint16_t *bias, void *y,
+                                                             long y_stride, int n0, int m0, const int mr, int f32) {
     const int quants = format == FMT_Q8_0 ? 512 : 256, bytes = tiled_block_bytes(format);
     const __m512i low = _mm512_set1_epi8(15);
     const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f);
@@ -537,22 +559,26 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
     __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
                       : _mm512_setzero_ps();
-    for (int j = 0; j < mr; j++) {  /* to bf16, nearest even, as to_bf16 */
+    for (int j = 0; j < mr; j++) {  /* fp32, or to bf16, nearest even, as to_bf16 */
         __m512 v = _mm512_add_ps(acc[j], add);
+        if (f32) {
+            _mm512_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, v);
+            continue;
+        }
         __m512i u = _mm512_castps_si512(v);
         __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
                                                              _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
         __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-        _mm256_storeu_si256((__m256i *)(y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
     }
 }
 
 /* The quantized inputs of the calling thread's last call, grown as needed: no allocation per step. */
 static __thread struct { void *memory; size_t size; } scratch;
 
-static int tiled_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y, int M,
-                        int N, int K, long x_stride, long y_stride, int threads) {
+static int tiled_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+                        int K, long x_stride, long y_stride, int threads, int f32) {
     const int blocks = K / 32;
     const long tile_bytes = (long)blocks * tiled_block_bytes(format);
     size_t need = (size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks;
@@ -568,15 +594,15 @@ static int tiled_linear(const uint16_t *x, const uint8_t *w, int format, const u
     #pragma omp parallel num_threads(threads)
     {
     int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
-    quantize_rows(x, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
+    quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
     #pragma omp barrier
     #pragma omp for schedule(dynamic, 2)
     for (int t = 0; t < N / TILED_ROWS; t++) {
         const uint8_t *tile = w + t * tile_bytes;
         const int n0 = t * TILED_ROWS;
-#define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
-#define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
-#define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr)
+#define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
@@ -616,17 +642,17 @@ static void pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *ds
 static inline int tiled_path(int K) { (void)K; return 0; }
 #endif
 
-/* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks. */
-static int quantized_linear(const uint16_t *x, const uint8_t *w, int format, const uint16_t *bias, uint16_t *y,
-                            int M, int N, int K, long x_stride, long y_stride, int threads) {
+/* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks; x and y bf16, or fp32 with f32. */
+static int quantized_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+                            int K, long x_stride, long y_stride, int threads, int f32) {
     if (M < 1 || M > 512 || K % 32 || N % 16 || !block_bytes(format) || K / 32 > MAX_BLOCKS) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (tiled_path(K)) return tiled_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+    if (tiled_path(K)) return tiled_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
 #ifdef __AVX2__
-    if (int8_path(format, K)) return int8_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+    if (int8_path(format, K)) return int8_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
-    return dequantized_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+    return dequantized_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 }
 
 /* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
@@ -682,11 +708,23 @@ int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 #endif
 }
 
-/* Any weight format: bf16 (30) or a GGUF quantization (2, 3, 8). */
-int any_linear(const uint16_t *x, const void *w, int format, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads) {
-    if (format == FMT_BF16) return cpu_linear(x, (const uint16_t *)w, bias, y, M, N, K, x_stride, y_stride, threads);
-    return quantized_linear(x, (const uint8_t *)w, format, bias, y, M, N, K, x_stride, y_stride, threads);
+/* Any weight format: bf16 (30) or a GGUF quantization (2, 3, 8). x and y are bf16, or with f32 fp32 (the
+ * activations of the quantized path, as llama.cpp keeps them); a bf16 weight then reads x rounded to bf16. */
+int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads, int f32) {
+    if (format != FMT_BF16) return quantized_linear(x, (const uint8_t *)w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
+    if (!f32) return cpu_linear(x, (const uint16_t *)w, bias, y, M, N, K, x_stride, y_stride, threads);
+    if (M < 1 || M > 512 || K % 32 || N % 16) return -1;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)M * K), *yb = malloc(sizeof(uint16_t) * (size_t)M * N);
+    int status = xb && yb ? 0 : -2;
+    for (int m = 0; m < M && status == 0; m++)
+        for (int k = 0; k < K; k += LANES) store_bf16(xb + (long)m * K + k, load_f32((const float *)x + m * x_stride + k));
+    if (status == 0) status = cpu_linear(xb, (const uint16_t *)w, bias, yb, M, N, K, K, N, threads);
+    for (int m = 0; m < M && status == 0; m++)
+        for (int n = 0; n < N; n += LANES) store_f32((float *)y + m * y_stride + n, load_bf16(yb + (long)m * N + n));
+    free(xb);
+    free(yb);
+    return status;
 }
 
 /* How quantized_linear computes `format` with K inputs: "int8 VNNI", "int8 AVX-VNNI", "int8 maddubs" (inputs
