@@ -68,9 +68,9 @@ def engine_argmax(engine, sequences):
     return out
 
 
-def llama_server_argmax(binary: str, gguf: str, sequences, threads: int, wanted):
+def llama_server_argmax(binary: str, gguf: str, sequences, threads: int, wanted, eos: int):
     """Per sequence: llama.cpp's greedy next token at each continuation position, and its log-prob of the token
-    `wanted` there (float32's argmax; NaN when outside its top 50)."""
+    `wanted` there (float32's argmax; NaN when outside its top 50, or after an end of text)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,8 +101,9 @@ def llama_server_argmax(binary: str, gguf: str, sequences, threads: int, wanted)
                 request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=60) as r:
                     reply = json.loads(r.read())
-                picks.append(reply["tokens"][0])
-                candidates = reply["completion_probabilities"][0]["top_logprobs"]
+                # An end of text ends the reply before it is sent: no token and no log-probs come back.
+                picks.append(reply["tokens"][0] if reply["tokens"] else eos if reply.get("stop_type") == "eos" else -1)
+                candidates = (reply.get("completion_probabilities") or [{}])[0].get("top_logprobs", [])
                 top.append(next((c["logprob"] for c in candidates if c["id"] == want[i - len(prompt)]), float("nan")))
             out.append(picks)
             tops.append(top)
@@ -177,7 +178,7 @@ def main() -> None:
         engine.close()
     if resolved.kind == "gguf" and args.llama_server:
         picks, top = llama_server_argmax(args.llama_server, resolved.source, sequences, torch.get_num_threads(),
-                                         [r.argmax(-1).tolist() for r in ref_logits])
+                                         [r.argmax(-1).tolist() for r in ref_logits], tokenizer.eos_token_id)
         score("llama.cpp (same GGUF)", [torch.tensor(p) for p in picks], top_logprob=[torch.tensor(t) for t in top])
     else:
         print("llama.cpp: skipped (no llama-server: --llama-server PATH or TUICHAT_LLAMA_SERVER)", file=sys.stderr)
