@@ -25,8 +25,9 @@ def engine_options(func):
         click.option("--prefix-cache/--no-prefix-cache", default=None, help="Reuse KV of shared prefixes."),
         click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
         click.option("--device-map", default=None, help="'auto': accelerate layer split over the GPUs."),
-        click.option("--quant", type=click.Choice(["auto", "none"]), default=None,
-                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16."),
+        click.option("--quant", type=click.Choice(["auto", "none", "int8", "int4"]), default=None,
+                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16; int8/int4: "
+                          "a dense model's quantized to Q8_0/Q4_1 blocks at load (cached)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -180,7 +181,8 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             "model": name,
             "device": stats.device,
             "dtype": stats.dtype,
-            "weights": stats.weights,
+            "quant": options.quant,
+            "weights": stats.weights,  # what --quant gave: "Q8_0", or "bfloat16 (int8 needs the C layers: why)"
             "weight_mb": round(stats.weight_bytes / 2**20, 1),
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
