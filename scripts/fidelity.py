@@ -1,16 +1,16 @@
 """How close each way of serving a model stays to its float32 self: teacher-forced argmax agreement.
 
-    python scripts/fidelity.py [--model smollm2-135m | FOLDER] [--quant none,auto,int8,int4] [--int4 q4_1]
-                               [--prompts 16] [--tokens 48] [--llama-server PATH]
+    python scripts/fidelity.py [--model smollm2-135m | FOLDER] [--quant none,auto,int8,int4]
+                               [--int4 q4_1/q8_0,q4_0/q8_0] [--prompts 16] [--tokens 48] [--llama-server PATH]
 
 The float32 model (transformers, a plain forward) writes a greedy continuation of each held chat prompt; then
 each way is fed the very same tokens (teacher forcing: prompt as one prefill, then one decode step per token)
 and scores, at each position, whether its argmax is float32's, plus its mean |logit error|:
 - transformers bf16: the model's own bf16 forward;
 - tuichat, once per --quant mode (default none,auto): none is bf16 (C layers where they run), auto a GGUF's
-  own Q4_1/Q8_0 blocks (int8 dot products), int8 / int4 a dense model's linears quantized at load (Q8_0 /
-  Q4_1 blocks; --int4 q4_0 measures the other choice), each with the seconds its engine took to start (the
-  quantization, or reading it from the cache it wrote the first time: run twice for both);
+  own Q4_1/Q8_0 blocks (int8 dot products), int8 / int4 a dense model's linears quantized at load (Q8_0; Q4_1
+  with a Q8_0 lm_head; --int4 measures other blocks, int4 once for each), each with the seconds its engine
+  took to start (the quantization, or reading the cache it wrote the first time: run twice for both);
 - llama.cpp: the same GGUF through `llama-server` (its own process), one greedy token per position, its
   prompt cache keeping the rest: teacher forcing by request. Skipped when no llama-server is given or found.
 A float32 argmax with a near tie is within noise of any of them: a position counts only when float32's top
@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--margin", type=float, default=0.0)
     parser.add_argument("--quant", default="none,auto", help="comma-separated --quant modes to serve")
-    parser.add_argument("--int4", choices=["q4_0", "q4_1"], default=None, help="the blocks int4 quantizes to")
+    parser.add_argument("--int4", default=None,
+                        help="int4 once per comma-separated LINEARS[/HEAD] blocks, e.g. q4_0/q8_0,q4_1/q4_1")
     parser.add_argument("--llama-server", default=os.environ.get("TUICHAT_LLAMA_SERVER") or shutil.which("llama-server"))
     args = parser.parse_args()
 
@@ -115,8 +116,12 @@ def main() -> None:
     modes = args.quant.split(",")
     if not set(modes) <= {"auto", "none", "int8", "int4"}:
         parser.error(f"--quant takes auto, none, int8 and int4, not {args.quant}")
+    formats = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+    int4 = [quant.QUANT_FORMATS["int4"]]
     if args.int4:
-        quant.QUANT_FORMATS["int4"] = {"q4_0": 2, "q4_1": 3}[args.int4]
+        int4 = [(formats[v.partition("/")[0]], formats[v.partition("/")[2] or v.partition("/")[0]])
+                for v in args.int4.lower().split(",")]
+        modes = [m for mode in modes for m in ([mode] if mode != "int4" else ["int4"] * len(int4))]
     cpu_kernel.load()  # built before any engine is timed
     torch.manual_seed(0)
     resolved = catalog.resolve(args.model)
@@ -152,7 +157,9 @@ def main() -> None:
         logits = [bf16(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float() for prompt, full in sequences]
         score("transformers bf16", [l.argmax(-1) for l in logits], logits)
         del bf16, reference
-    for mode in modes:
+    for i, mode in enumerate(modes):
+        if mode == "int4":
+            quant.QUANT_FORMATS["int4"] = int4[modes[:i].count("int4")]
         model, _ = loader.load(resolved, cpu, loader.resolve_dtype("auto", cpu, loader.family(resolved)), with_tokenizer=False)
         config = EngineConfig(quant=mode, prefix_cache=False, quant_cache=loader.quant_cache(resolved, mode),
                               quant_source=loader.checkpoint_dir(resolved))  # as LocalBackend does

@@ -277,7 +277,7 @@ def test_int8_and_int4_keep_the_files_blocks_and_quantize_only_what_it_holds_in_
     path = tmp_path / "f32-head.gguf"
     weights = write_gguf(path, output_format=None)
     resolved = catalog.resolve(str(path))
-    for mode, head in (("auto", quant.BF16), ("int8", Q8_0), ("int4", quant.QUANT_FORMATS["int4"])):
+    for mode, head in (("auto", quant.BF16), ("int8", Q8_0), ("int4", quant.QUANT_FORMATS["int4"][1])):
         served = engine(tiny, resolved, quant=mode)
         assert [w.format for w in served.runner.native.weights] == expected_formats()[:-1] + [head], mode
         if mode != "auto":

@@ -41,8 +41,8 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
     # Where the C layers run: auto serves a GGUF's linears in its own blocks (a dense model in its dtype), none
-    # in bf16; int8 / int4 quantize every linear to Q8_0 / quant.QUANT_FORMATS["int4"] blocks at load (a GGUF's
-    # own blocks stay). Elsewhere the model serves in its dtype and `weights` says why.
+    # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own blocks
+    # stay). Elsewhere the model serves in its dtype and `weights` says why.
     quant: str = "auto"
     quant_cache: Path | None = None  # the file that caches a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
     quant_source: Path | None = None  # the checkpoint folder whose safetensors int8/int4 quantize from (a GGUF's conversion)
