@@ -80,7 +80,7 @@ def _main_help() -> str:
     Files (move them with TUICHAT_CONFIG_DIR, TUICHAT_DATA_DIR, TUICHAT_CACHE_DIR):
       config   {location('config')}/config.toml, themes/
       history  {location('data')}/history.sqlite3
-      cache    {location('cache')}/models (converted models)
+      cache    {location('cache')}/models (converted models), quantized/ (--quant int8|int4)
     """
 
 
