@@ -1,8 +1,9 @@
 """--quant int8 / int4 for a dense checkpoint (quant.from_dense, quant.packed_weights): a tiny random-weight llama
 saved as float32 safetensors goes through the real loader and Engine. Its linears and lm_head must be served in
-Q8_0 blocks / Q4_1 ones (its lm_head Q8_0), quantized from the file's float32 (not from the bf16 the model loaded in), stay as close
-to the float32 model as those blocks allow, give replies that do not depend on batching, chunking or caching,
-be cached once and reused, and — where the C layers do not run — serve unquantized, saying why."""
+Q8_0 blocks, or Q4_1 ones with a Q8_0 lm_head, quantized from the file's float32 (not from the bf16 the model
+loaded in), stay as close to the float32 model as those blocks allow, give replies that do not depend on
+batching, chunking or caching, be cached once and reused, and — where the C layers do not run — serve
+unquantized, saying why."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from conftest import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
                       teacher_forced_error)
-from tuichat.backend import EngineOptions
+from tuichat.backend import BackendError, EngineOptions
 from tuichat.engine import quant
 from tuichat.engine.engine import Engine, EngineConfig
 
@@ -98,7 +99,8 @@ def block_bytes(mode: str) -> int:
     """Bytes of every linear and the lm_head in `mode`'s blocks of 32."""
     linears, head = FORMATS[mode]
     shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    return (sum(n * k for n, k in shapes) * LAYERS * quant.BLOCK_BYTES[linears] + VOCAB * HIDDEN * quant.BLOCK_BYTES[head]) // 32
+    decoder = sum(n * k for n, k in shapes) * LAYERS
+    return (decoder * quant.BLOCK_BYTES[linears] + VOCAB * HIDDEN * quant.BLOCK_BYTES[head]) // 32
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -336,7 +338,7 @@ def test_the_cli_and_the_config_take_every_quant_mode(tmp_path, value):
     assert warnings == [] and config.engine == EngineOptions(quant=value)
 
 
-def test_a_bad_quant_mode_is_refused_with_the_choices(tmp_path):
+def test_a_bad_quant_mode_is_refused_with_the_choices(tmp_path, dense):
     from click.testing import CliRunner
 
     from tuichat.cli import main
@@ -351,3 +353,5 @@ def test_a_bad_quant_mode_is_refused_with_the_choices(tmp_path):
     assert config.engine.quant == "auto"
     assert warnings == [f'{path}: "engine.quant" must be one of "auto", "none", "int8", "int4", not "q4_k"; '
                         "using the default."]
+    with pytest.raises(BackendError, match=r"^Unknown quant 'int3': use auto, none, int8, int4\.$"):
+        engine(dense, "int3")

@@ -201,7 +201,8 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             click.echo()
             ttft = f"{usage.ttft_ms:.0f} ms" if usage.ttft_ms is not None else "n/a"
             tps = f"{usage.tokens_per_s:.1f} tok/s" if usage.tokens_per_s else "n/a"
-            weights = f" · {stats.weights} weights" if stats.weights not in ("", stats.dtype) else ""
+            served, paren, why = stats.weights.partition(" (")  # "bfloat16 (int8 needs the C layers: ...)"
+            weights = f" · {served} weights{paren}{why}" if stats.weights not in ("", stats.dtype) else ""
             click.echo(
                 f"[{name} · {stats.device} {stats.dtype}{weights}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
                 f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens · "

@@ -44,8 +44,8 @@ class EngineConfig:
     # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own blocks
     # stay). Elsewhere the model serves in its dtype and `weights` says why.
     quant: str = "auto"
-    quant_cache: Path | None = None  # the file that caches a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
-    quant_source: Path | None = None  # the checkpoint folder whose safetensors int8/int4 quantize from (a GGUF's conversion)
+    quant_cache: Path | None = None  # the file caching a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
+    quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
 
 
 def _drop_bf16_linears(model, packed_head: bool) -> None:
@@ -81,6 +81,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
+        if config.quant not in ("auto", "none", *quant.QUANT_FORMATS):
+            raise BackendError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         text_config = families.text_config(model.config)

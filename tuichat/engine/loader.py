@@ -244,10 +244,10 @@ def checkpoint_dir(model: ResolvedModel) -> Path | None:
 
 def quant_cache(model: ResolvedModel, quant: str) -> Path | None:
     """Where the engine caches a dense checkpoint's weights quantized for --quant `quant` (int8, int4): a folder
-    of the cache dir keyed by the checkpoint's identity, its folder (a hub snapshot's path names its
-    revision) and its weight files' (and config's) names, sizes and mtimes, so a checkpoint rewritten in place is quantized
-    anew. None where nothing is cached here: another mode, a GGUF (cached beside its conversion), a checkpoint
-    not found."""
+    of the cache dir keyed by the checkpoint's identity, its folder (a hub snapshot's path names its revision)
+    and its weight files' (and config's) names, sizes and mtimes, so that a checkpoint rewritten in place is
+    quantized anew. None where nothing is cached here: another mode, a GGUF (cached beside its conversion), a
+    checkpoint not found."""
     from tuichat.engine.quant import QUANT_FORMATS, cache_name
 
     folder = checkpoint_dir(model) if quant in QUANT_FORMATS and model.kind != "gguf" else None
