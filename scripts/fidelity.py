@@ -1,6 +1,7 @@
 """How close each way of serving a model stays to its float32 self: teacher-forced argmax agreement.
 
-    python scripts/fidelity.py [--model smollm2-135m] [--prompts 64] [--tokens 48] [--llama-server PATH]
+    python scripts/fidelity.py [--model smollm2-135m | FOLDER] [--quant none,auto,int8,int4]
+                               [--int4 q4_1/q8_0,q4_0/q8_0] [--prompts 64] [--tokens 48] [--llama-server PATH]
 
 The float32 model (transformers, a plain forward) writes a greedy continuation of each held chat prompt; then
 each way is fed the very same tokens (teacher forcing: prompt as one prefill, then one decode step per token)
@@ -8,8 +9,10 @@ and scores, at each position, whether its argmax is float32's; and, less noisy t
 its log-probability of float32's choice is off (|log p(top) error|: llama.cpp's from its top-50 log-probs)
 and, where all the logits are at hand, its KL divergence from float32:
 - transformers bf16: the model's own bf16 forward;
-- tuichat bf16: the engine with --quant none (C layers where they run);
-- tuichat GGUF blocks: the engine with --quant auto (the file's own Q4_1/Q8_0 blocks, int8 dot products);
+- tuichat, once per --quant mode (default none,auto): none is bf16 (C layers where they run), auto a GGUF's
+  own Q4_1/Q8_0 blocks (int8 dot products), int8 / int4 a dense model's linears quantized at load (Q8_0; Q4_1
+  with a Q8_0 lm_head; --int4 measures other blocks, int4 once for each), each with the seconds its engine
+  took to start (the quantization, or reading the cache it wrote the first time: run twice for both);
 - llama.cpp: the same GGUF through `llama-server` (its own process), one greedy token per position, its
   prompt cache keeping the rest: teacher forcing by request. Skipped when no llama-server is given or found.
 A float32 argmax with a near tie is within noise of any of them: a position counts only when float32's top
@@ -119,6 +122,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(CHATS))
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--quant", default="none,auto", help="comma-separated --quant modes to serve")
+    parser.add_argument("--int4", default=None,
+                        help="int4 once per comma-separated LINEARS[/HEAD] blocks, e.g. q4_0/q8_0,q4_1/q4_1")
     parser.add_argument("--llama-server", default=os.environ.get("TUICHAT_LLAMA_SERVER") or shutil.which("llama-server"))
     args = parser.parse_args()
 
@@ -126,8 +132,19 @@ def main() -> None:
 
     from tuichat import catalog
     from tuichat.engine import loader
+    from tuichat.engine import cpu_kernel, quant
     from tuichat.engine.engine import Engine, EngineConfig
 
+    modes = args.quant.split(",")
+    if not set(modes) <= {"auto", "none", "int8", "int4"}:
+        parser.error(f"--quant takes auto, none, int8 and int4, not {args.quant}")
+    formats = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+    int4 = [quant.QUANT_FORMATS["int4"]]
+    if args.int4:
+        int4 = [(formats[v.partition("/")[0]], formats[v.partition("/")[2] or v.partition("/")[0]])
+                for v in args.int4.lower().split(",")]
+        modes = [m for mode in modes for m in ([mode] if mode != "int4" else ["int4"] * len(int4))]
+    cpu_kernel.load()  # built before any engine is timed
     torch.manual_seed(0)
     resolved = catalog.resolve(args.model)
     cpu = torch.device("cpu")
@@ -159,7 +176,7 @@ def main() -> None:
             top_logprob = [l.gather(-1, r.argmax(-1, keepdim=True))[:, 0] for l, r in zip(logprobs, ref_logits)]
         off = torch.cat([(t - w).abs() for t, w in zip(top_logprob, wanted)]).nanmean()
         error = f"  |log p(top) error| {off:.4f}" + ("" if logprobs is None else f"  KL {kl:.5f}")
-        print(f"{name:<28} {100 * agree / positions:6.2f} % argmax agreement{error}{note}")
+        print(f"{name:<36} {100 * agree / positions:6.2f} % argmax agreement{error}{note}")
 
     print(f"{args.model}: {len(sequences)} prompts x {args.tokens} float32 greedy tokens; {positions} positions "
           f"(float32 top-2 gap > {args.margin})")
@@ -169,12 +186,19 @@ def main() -> None:
         logits = [bf16(torch.tensor([full])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1) for prompt, full in sequences]
         score("transformers bf16", [l.argmax(-1) for l in logits], logits)
         del bf16, reference
-    for quant in ("none", "auto"):
+    for i, mode in enumerate(modes):
+        if mode == "int4":
+            quant.QUANT_FORMATS["int4"] = int4[modes[:i].count("int4")]
         model, _ = loader.load(resolved, cpu, loader.resolve_dtype("auto", cpu, loader.family(resolved)), with_tokenizer=False)
-        engine = Engine(model, tokenizer, EngineConfig(quant=quant, prefix_cache=False), name=resolved.name, source=resolved)
+        config = EngineConfig(quant=mode, prefix_cache=False, quant_cache=loader.quant_cache(resolved, mode),
+                              quant_source=loader.checkpoint_dir(resolved))  # as LocalBackend does
+        started = time.perf_counter()
+        engine = Engine(model, tokenizer, config, name=resolved.name, source=resolved)
+        ready = time.perf_counter() - started
         with torch.inference_mode():
             logits = [l.log_softmax(-1) for l in engine_argmax(engine, sequences)]
-        score(f"tuichat {engine.weights}", [l.argmax(-1) for l in logits], logits, note=f"  (layers {engine.layers})")
+        score(f"tuichat {mode}: {engine.weights}", [l.argmax(-1) for l in logits], logits,
+              note=f"  (layers {engine.layers}; {engine.weight_bytes / 1e6:.0f} MB a step; engine ready in {ready:.1f} s)")
         engine.close()
     if resolved.kind == "gguf" and args.llama_server:
         picks, top = llama_server_argmax(args.llama_server, resolved.source, sequences, torch.get_num_threads(),

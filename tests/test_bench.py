@@ -306,6 +306,7 @@ def test_table_renders_every_scenario_and_the_progress_went_to_stderr(run):
         assert title in table
     weights = result["floor"]["tuichat"]["weights"]
     assert weights == result["weights"] and f"weights {weights}" in table.splitlines()[0]
+    assert result["quant"] == "auto" and f"quant auto · weights {weights}" in table.splitlines()[0]
     assert f"tuichat reads {result['floor']['tuichat']['weight_bytes'] / 1e6:,.0f} MB ({weights})" in table
     assert f"transformers reads {result['floor']['transformers']['weight_bytes'] / 1e6:,.0f} MB" in table
     for name in ("tuichat continuous", "tuichat static", "tuichat off", "hf_static_batch", "hf_generate_batch",

@@ -72,6 +72,7 @@ max_batched_tokens = 1024
 max_num_seqs = 8
 tp = 2
 device_map = "auto"
+quant = "int8"
 
 [keymap]
 send = "ctrl+s"
@@ -96,6 +97,7 @@ tabs.next = "ctrl+right"
             max_num_seqs=8,
             tp=2,
             device_map="auto",
+            quant="int8",
         ),
         keymap={"send": "ctrl+s", "quit.app": "ctrl+q,f10", "tabs.next": "ctrl+right"},
     )

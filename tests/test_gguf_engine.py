@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from tuichat.backend import SamplingParams
+from conftest import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
+                      teacher_forced_error)
 from tuichat.engine import native, quant
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.engine.request import Status
 from tuichat.engine.runner import StepChunk
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 256, 2, 4, 2, 32, 320
@@ -39,9 +39,10 @@ def llama_cpp_order(n_rows: int, heads: int) -> np.ndarray:
     return np.arange(n_rows).reshape(heads, 2, n_rows // heads // 2).swapaxes(1, 2).reshape(n_rows)
 
 
-def write_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
-    """A tiny llama GGUF with a byte-level BPE tokenizer; returns its float32 weights by transformers' names as
-    the file stores them (linears dequantized by gguf itself, Q and K back in the model's row order)."""
+def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FORMAT) -> dict[str, np.ndarray]:
+    """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32); returns its
+    float32 weights by transformers' names as the file stores them (linears dequantized by gguf itself, Q and
+    K back in the model's row order)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -91,7 +92,7 @@ def write_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
             add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf_name}.weight",
                 1 + 0.2 * rng.standard_normal(HIDDEN, dtype=np.float32))
     add("output_norm.weight", "model.norm.weight", 1 + 0.2 * rng.standard_normal(HIDDEN, dtype=np.float32))
-    add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.08, OUTPUT_FORMAT)
+    add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.08, output_format)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -162,11 +163,6 @@ def own_copy(tiny: TinyGGUF, tmp_path: Path):
     return dataclasses.replace(tiny.resolved, converted_dir=converted)
 
 
-def greedy(engine: Engine, prompts: list[list[int]], tokens: int = 10) -> list[list[int]]:
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
-    return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
-
-
 def expected_formats() -> list[int]:
     """The format of each weight a decoder step reads, in NativeDecoder.weights' order (qkv, o, gate_up, down
     per layer, then the lm_head)."""
@@ -192,50 +188,28 @@ def test_the_engine_serves_the_files_own_blocks(kernels, tiny):
     served.close()
 
 
-PROMPTS = [[(7 * i + 3) % 300 + 5 for i in range(40)], [200, 7, 7, 31, 90, 4, 18], list(range(100, 121))]
-
-
-def teacher_forced(served: Engine, sequences: list[list[int]], prompt_lengths: list[int]) -> list[torch.Tensor]:
-    """The engine's logits along each sequence: its prompt in one chunk, then one decode step per token."""
-    rows = []
-    for sequence, start in zip(sequences, prompt_lengths):
-        table = list(range(served.blocks.blocks_for(len(sequence))))
-        got = [served.runner.execute([StepChunk(sequence[:start], 0, table, True)])]
-        got += [served.runner.execute([StepChunk([sequence[i]], i, table, True)]) for i in range(start, len(sequence) - 1)]
-        rows.append(torch.cat(got))
-    return rows
-
-
 def test_as_close_to_float32_over_the_files_weights_as_its_arithmetic_allows(kernels, tiny):
     """Teacher-forced along the float32 model's greedy replies. Measured here (both builds): the packed engine is
     off by at most ~1.0 % of a row's logit range (mean 0.7 %), the bf16 one by 0.6 % (0.45 %): bf16 activations
     round each op by 2^-9, and the int8 path's per-block activation quantization (a step of max|x| / 127) adds
     about as much. 3 % leaves room for other builds' summation orders; a wrong row order, block layout or
     scale is tens of % off."""
-    sequences = []
-    with torch.inference_mode():  # the float32 greedy replies (a loop of full forwards: quicker than generate here)
-        for sequence in map(list, PROMPTS):
-            for _ in range(12):
-                sequence.append(int(tiny.reference(torch.tensor([sequence])).logits[0, -1].argmax()))
-            sequences.append(sequence)
-        want = torch.cat([tiny.reference(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, PROMPTS)])
-    spread = want.amax(dim=1) - want.amin(dim=1)
+    sequences, want = float32_continuations(tiny.reference)
     for quant_mode, weights in (("auto", "Q4_0, Q4_1, Q8_0"), ("none", "bfloat16")):
         served = engine(tiny, quant=quant_mode, prefix_cache=False)
         assert served.weights == weights
-        got = torch.cat(teacher_forced(served, sequences, [len(p) for p in PROMPTS]))
+        errors, agreement = teacher_forced_error(served, sequences, want)
         served.close()
-        errors = (got - want).abs().amax(dim=1) / spread
         assert errors.max() < 0.03 and errors.mean() < 0.015, (quant_mode, errors.max(), errors.mean())
         # A flip needs a near-tie: here one of 36 rows, where the top two are within the error of each other.
-        assert (got.argmax(dim=1) == want.argmax(dim=1)).float().mean() >= 0.9, quant_mode
+        assert agreement >= 0.9, quant_mode
 
 
-def llama_cpp_arithmetic(reference: torch.nn.Module) -> torch.nn.Module:
-    """The float32 model computing as llama.cpp does over a GGUF, written here in torch: every linear's input
-    quantized to int8 per block of 32 (d = max|x| / 127, q = round(x / d)), K and V through an f16 cache, the
-    rest in fp32; and the weights the engine has besides the file's blocks (embeddings, norms) rounded to bf16,
-    as it loads them."""
+def llama_cpp_arithmetic(reference: torch.nn.Module, kernels) -> torch.nn.Module:
+    """The float32 model computing as llama.cpp does over a GGUF, written here in torch: each linear's input
+    quantized to int8 per block of 32 (d = max|x| / 127, q = round(x / d)) where the kernels' method for its
+    format does so (AVX2 without VNNI takes Q8_0 in fp32), K and V through an f16 cache, the rest in fp32; and
+    the weights the engine has besides the file's blocks (embeddings, norms) rounded to bf16, as it loads them."""
     import copy
 
     from transformers import AttentionInterface
@@ -257,8 +231,10 @@ def llama_cpp_arithmetic(reference: torch.nn.Module) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "embed" in name or "norm" in name:
                 param.copy_(param.bfloat16().float())
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    formats = {f"model.layers.{i}.{HF_NAMES[name]}": format for i, layer in enumerate(FORMATS) for name, format in layer.items()}
+    formats["lm_head"] = OUTPUT_FORMAT
+    for name, module in model.named_modules():
+        if name in formats and kernels.quant_math(formats[name], module.in_features) != "fp32":
             module.register_forward_pre_hook(int8_blocks)
     model.set_attn_implementation("tuichat_test_f16_cache")
     return model
@@ -270,42 +246,21 @@ def test_the_packed_engine_computes_in_fp32_over_an_f16_cache_as_llama_cpp_does(
     here: off by 0.12 % of a row's logit range on average (at most 0.7 %); the same engine with bf16 activations
     and a bf16 cache was off by 0.8 % on average, which this bound fails."""
     sequences = [p + [(5 * i + 1) % 300 for i in range(12)] for p in PROMPTS]
-    emulated = llama_cpp_arithmetic(tiny.reference)
+    emulated = llama_cpp_arithmetic(tiny.reference, kernels)
     with torch.inference_mode():
         want = torch.cat([emulated(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, PROMPTS)])
     served = engine(tiny, prefix_cache=False)
     assert all(k.dtype is torch.float16 for k in served.kv.k + served.kv.v)
-    got = torch.cat(teacher_forced(served, sequences, [len(p) for p in PROMPTS]))
+    errors, _ = teacher_forced_error(served, sequences, want)
     served.close()
-    errors = (got - want).abs().amax(dim=1) / (want.amax(dim=1) - want.amin(dim=1))
     assert errors.max() < 0.012 and errors.mean() < 0.004, (errors.max(), errors.mean())
 
 
 def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, tiny, monkeypatch):
     """The packed engine against itself, token for token: each row's arithmetic is its own whatever shares
     its step (the correctness reference is the float32 test above)."""
-    long_prompt = [(11 * i) % 300 + 7 for i in range(600)]
-    prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2], long_prompt]
-    alone = engine(tiny, prefix_cache=False, max_batched_tokens=64)  # the long prompt in chunks of 64
-    expected = [greedy(alone, [p])[0] for p in prompts]
-    alone.close()
-
-    # A 10-token budget: prompts cut into chunks, sharing steps with the others' decodes.
-    busy = engine(tiny, max_batched_tokens=10)
-    params = SamplingParams(max_tokens=10, temperature=0.0)
-    seqs = [busy.submit(prompts[0], params)]
-    busy.step()
-    seqs += [busy.submit(p, params) for p in prompts[1:3]]
-    batch_sizes = []
-    while any(s.status is not Status.FINISHED for s in seqs):
-        busy.step()
-        batch_sizes.append(busy.last_batch_size)
-    assert max(batch_sizes) == 3
-    assert [s.token_ids[len(p):] for s, p in zip(seqs, prompts)] == expected[:3]
-    # The third prompt is a prefix of the first: served from the prefix cache, its reply is the same.
-    cached = busy.generate([prompts[2]], params)[0]
-    assert cached.num_cached_tokens > 0 and cached.token_ids[len(prompts[2]):] == expected[2]
-    busy.close()
+    prompts, expected = replies_independent_of_batching(lambda **config: engine(tiny, **config))
+    long_prompt = prompts[3]
 
     # 600 rows in one step: NativeDecoder runs them as 512 + 88 (transformers' layers have no weights left).
     rows = []
@@ -361,20 +316,36 @@ def test_from_gguf_finds_llama_cpps_q_k_order(kernels, tiny):
         assert torch.allclose(columns.T.float(), weight.float(), rtol=2**-7, atol=1e-6), name
 
 
+def test_int8_and_int4_keep_the_files_blocks_and_quantize_only_what_it_holds_in_none(kernels, tiny, tmp_path):
+    """A GGUF whose lm_head is F32: auto serves that in bf16; int8 and int4 keep every block the file has as it
+    is and quantize the lm_head alone, from the float32 conversion, into their own format, each mode cached in
+    a file of its own beside the conversion."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from tuichat import catalog
+
+    path = tmp_path / "f32-head.gguf"
+    weights = write_gguf(path, output_format=None)
+    resolved = catalog.resolve(str(path))
+    for mode, head in (("auto", quant.BF16), ("int8", Q8_0), ("int4", quant.QUANT_FORMATS["int4"][1])):
+        served = engine(tiny, resolved, quant=mode)
+        assert [w.format for w in served.runner.native.weights] == expected_formats()[:-1] + [head], mode
+        if mode != "auto":
+            blocks = quantize(weights["lm_head.weight"], GGMLQuantizationType(head))
+            assert torch.equal(served.runner.native.head.data, kernels.pack(np.ascontiguousarray(blocks), head, HIDDEN))
+        served.close()
+    assert sorted(p.name for p in resolved.converted_dir.glob("tuichat-packed*")) == [
+        quant.cache_name("int4"), quant.cache_name("int8"), quant.cache_name("auto")]
+
+
 def test_quant_none_serves_the_dequantized_bf16_weights(tiny, monkeypatch):
-    monkeypatch.setattr(quant, "cached_from_gguf", lambda *a: pytest.fail("--quant none packed the GGUF"))
+    monkeypatch.setattr(quant, "packed_weights", lambda *a: pytest.fail("--quant none packed the GGUF"))
     served = engine(tiny, quant="none")
     assert served.layers == "C" and served.weights == "bfloat16"
     linears = sum(a * b for a, b in SHAPES.values()) * LAYERS + VOCAB * HIDDEN
     assert served.weight_bytes == 2 * linears
     served.close()
-
-
-def cache_contents(cache: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    with safe_open(str(cache), "pt") as file:  # clone: get_tensor gives views of the mapped file
-        return file.metadata(), {name: file.get_tensor(name).clone() for name in file.keys()}
 
 
 def test_a_second_engine_loads_the_packed_weights_from_the_cache(tiny, tmp_path, monkeypatch):

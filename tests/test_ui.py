@@ -438,6 +438,11 @@ async def test_engine_panel_and_meter_show_exactly_what_the_backend_reports():
         assert shown("model").endswith("continuous batching\ntorch matmul")
         backend.stats = lambda model=None: EngineStats(model="m", matmul="amx", layers="C")
         await until(lambda: shown("model").endswith("\namx matmul · C layers"), what="the kernels")
+        backend.stats = lambda model=None: EngineStats(model="m", layers="C", weights="Q8_0", weight_bytes=3 * 2**20)
+        await until(lambda: shown("model").endswith("\nQ8_0 weights · 3 MB a step"), what="the weights")
+        why = "int8 needs the C layers: qwen3 layers are not implemented in C"
+        backend.stats = lambda model=None: EngineStats(model="m", weights=f"bfloat16 ({why})", weight_bytes=6 * 2**20)
+        await until(lambda: shown("model").endswith(f"\nbfloat16 weights · 6 MB a step\n{why}"), what="why not int8")
         await pilot.press("ctrl+b")
         assert not panel.display
 

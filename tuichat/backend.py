@@ -76,7 +76,9 @@ class EngineOptions:
     max_num_seqs: int = 64
     tp: int = 1
     device_map: str | None = None  # "auto": accelerate layer split over the visible GPUs
-    quant: Literal["auto", "none"] = "auto"  # auto: a GGUF's linears read in its own blocks where the C layers run
+    # Where the C layers run: auto reads a GGUF's linears in its own blocks (a dense model's in its dtype), none
+    # in bf16, int8 / int4 quantize a dense model's (and what a GGUF holds in no such blocks) at load.
+    quant: Literal["auto", "none", "int8", "int4"] = "auto"
 
 
 @dataclass

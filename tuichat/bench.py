@@ -1213,6 +1213,7 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
             "device": str(run.device),
             "dtype": str(run.dtype).removeprefix("torch."),
             "quick": settings.quick,
+            "quant": settings.engine_options().quant,
             "settings": {
                 "scenarios": list(settings.scenarios), "peers": list(settings.peers), "tabs": settings.tabs,
                 "turns": settings.turns, "single_tokens": settings.single_tokens, "tab_tokens": settings.tab_tokens,
@@ -1313,7 +1314,8 @@ def render(result: dict[str, Any]) -> str:
     floor = result.get("floor", {})
     llama = result["versions"].get("llama_server")
     lines = [
-        f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · weights {result.get('weights') or '?'} · "
+        f"tuichat bench · {result['model']} · {result['device']} {result['dtype']} · "
+        f"quant {result.get('quant') or '?'} · weights {result.get('weights') or '?'} · "
         f"torch {result['versions']['torch']} · {result['machine']['torch_threads']} threads · "
         f"matmul {result['machine'].get('decode_matmul', '?')} · layers {result['machine'].get('decode_layers', '?')}"
         f"{f' · llama-server {llama}' if llama else ''}{' · quick' if result.get('quick') else ''} · {result.get('wall_s', 0):.0f} s",

@@ -25,8 +25,9 @@ def engine_options(func):
         click.option("--prefix-cache/--no-prefix-cache", default=None, help="Reuse KV of shared prefixes."),
         click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
         click.option("--device-map", default=None, help="'auto': accelerate layer split over the GPUs."),
-        click.option("--quant", type=click.Choice(["auto", "none"]), default=None,
-                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16."),
+        click.option("--quant", type=click.Choice(["auto", "none", "int8", "int4"]), default=None,
+                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16; int8/int4: "
+                          "a dense model's quantized to Q8_0/Q4_1 blocks at load (cached)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -79,7 +80,7 @@ def _main_help() -> str:
     Files (move them with TUICHAT_CONFIG_DIR, TUICHAT_DATA_DIR, TUICHAT_CACHE_DIR):
       config   {location('config')}/config.toml, themes/
       history  {location('data')}/history.sqlite3
-      cache    {location('cache')}/models (converted models)
+      cache    {location('cache')}/models (converted models), quantized/ (--quant int8|int4)
     """
 
 
@@ -180,7 +181,8 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             "model": name,
             "device": stats.device,
             "dtype": stats.dtype,
-            "weights": stats.weights,
+            "quant": options.quant,
+            "weights": stats.weights,  # what --quant gave: "Q8_0", or "bfloat16 (int8 needs the C layers: why)"
             "weight_mb": round(stats.weight_bytes / 2**20, 1),
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
@@ -199,7 +201,8 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             click.echo()
             ttft = f"{usage.ttft_ms:.0f} ms" if usage.ttft_ms is not None else "n/a"
             tps = f"{usage.tokens_per_s:.1f} tok/s" if usage.tokens_per_s else "n/a"
-            weights = f" · {stats.weights} weights" if stats.weights not in ("", stats.dtype) else ""
+            served, paren, why = stats.weights.partition(" (")  # "bfloat16 (int8 needs the C layers: ...)"
+            weights = f" · {served} weights{paren}{why}" if stats.weights not in ("", stats.dtype) else ""
             click.echo(
                 f"[{name} · {stats.device} {stats.dtype}{weights}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
                 f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens · "

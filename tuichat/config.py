@@ -90,8 +90,10 @@ DEFAULT_CONFIG_TOML = """\
 # Split the model's layers over the visible GPUs with accelerate (auto | balanced | balanced_low_0 |
 # sequential). Unset: the whole model on `device`.
 # device_map = "auto"
-# A .gguf's linear weights: auto reads them in the file's own blocks (Q8_0, Q4_0, Q4_1) where tuichat's C
-# layers run (a third of the bytes of bf16 or less); none dequantizes them to bf16 at load.
+# Linear weights, where tuichat's C layers run (CPU, bfloat16, llama/mistral/qwen2): auto reads a .gguf's in the
+# file's own blocks (Q8_0, Q4_0, Q4_1: a third of the bytes of bf16 or less) and a dense model's in bf16; none
+# dequantizes a .gguf's to bf16; int8 / int4 quantize a dense model's to Q8_0 / Q4_1 blocks of 32 (int4's
+# lm_head Q8_0) at its first load, then cached: about a half / a third of the bytes a step reads, at some fidelity.
 # quant = "auto"
 
 [keymap]
@@ -163,7 +165,7 @@ _ENGINE = {
     "max_num_seqs": _int(1),
     "tp": _int(1),
     "device_map": _choice("auto", "balanced", "balanced_low_0", "sequential"),
-    "quant": _choice("auto", "none"),
+    "quant": _choice("auto", "none", "int8", "int4"),
 }
 
 _TABLES = ("sampling", "engine", "keymap")

@@ -150,10 +150,14 @@ class LocalBackend:
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
             device = loader.resolve_device(self.options.device)
-            dtype = loader.resolve_dtype(self.options.dtype, device, loader.family(resolved, progress))
+            family = loader.family(resolved, progress)
+            dtype = loader.resolve_dtype(self.options.dtype, device, family)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)
+            quant_cache = loader.quant_cache(resolved, self.options.quant)
             config = EngineConfig(
                 quant=self.options.quant,
+                quant_cache=quant_cache,
+                quant_source=loader.checkpoint_dir(resolved),
                 kv_cache_mb=self.options.kv_cache_mb,
                 max_batched_tokens=self.options.max_batched_tokens,
                 max_num_seqs=self.options.max_num_seqs,
@@ -163,10 +167,14 @@ class LocalBackend:
             )
             import torch
 
-            from tuichat.engine import cpu_kernel
+            from tuichat.engine import cpu_kernel, native
 
-            if device.type == "cpu" and dtype is torch.bfloat16 and cpu_kernel.build_pending():
+            kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run
+            if kernels and cpu_kernel.build_pending():
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
+            if (kernels and family in native.SUPPORTED_MODEL_TYPES and self.options.tp == 1 and quant_cache is not None
+                    and not quant_cache.is_file()):
+                loader.report(progress, f"Quantizing {resolved.name} to {self.options.quant} (first use only)")
             engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
             engine.start()
             with self._lease_lock:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -39,7 +40,12 @@ class EngineConfig:
     prefix_cache: bool = True
     tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
-    quant: str = "auto"  # auto: a GGUF's linears served in its own blocks where the C layers run; none: bf16
+    # Where the C layers run: auto serves a GGUF's linears in its own blocks (a dense model in its dtype), none
+    # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own blocks
+    # stay). Elsewhere the model serves in its dtype and `weights` says why.
+    quant: str = "auto"
+    quant_cache: Path | None = None  # the file caching a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
+    quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
 
 
 def _drop_bf16_linears(model, packed_head: bool) -> None:
@@ -75,6 +81,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
+        if config.quant not in ("auto", "none", *quant.QUANT_FORMATS):
+            raise BackendError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         text_config = families.text_config(model.config)
@@ -114,11 +122,11 @@ class Engine:
         self.layers = "transformers"
         self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kernel, packed = None, {}
+        kernel = None
+        if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
+            kernel, self.matmul = cpu_kernel.load()
+        packed, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
-            if self.device.type == "cpu" and self.dtype is torch.bfloat16:
-                kernel, self.matmul = cpu_kernel.load()
-            packed = self._gguf_weights(model, kernel, source)  # before fusion: by the model's own names
             # transformers' layers take our linear only where it beat torch's at every row count measured:
             # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
             speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
@@ -144,6 +152,9 @@ class Engine:
             self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
             self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel, packed))
             _drop_bf16_linears(model, "lm_head" in packed)
+        elif config.quant in quant.QUANT_FORMATS:  # asked for, not served: say why, never silently
+            why = unpacked or self.layers.partition(" (")[2].removesuffix(")") or "no linear of this model fits them"
+            self.weights += f" ({config.quant} needs the C layers: {why})"
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -180,15 +191,38 @@ class Engine:
         self.weights = decoder.formats
         self.weight_bytes = decoder.weight_bytes
 
-    def _gguf_weights(self, model, kernel, source) -> dict:
-        """A GGUF model's linears in the file's own blocks, where the C layers will serve them (else {})."""
-        if (self.config.quant != "auto" or kernel is None or self.config.tp != 1 or getattr(source, "kind", None) != "gguf"
-                or getattr(model, "hf_device_map", None) or families.text_config(model.config).model_type
-                not in native.SUPPORTED_MODEL_TYPES):
-            return {}
-        converted = getattr(source, "converted_dir", None)
-        cache = converted / "tuichat-packed.safetensors" if converted is not None and converted.is_dir() else None
-        return quant.cached_from_gguf(source.source, model, kernel, cache)
+    def _packed_weights(self, model, kernel, source) -> tuple[dict, str | None]:
+        """(the linears --quant serves in blocks where the C layers will run them, {} for none; why none, where
+        it can be told before the linears are fused): a GGUF's own blocks, or a dense model's int8/int4."""
+        mode, gguf = self.config.quant, getattr(source, "kind", None) == "gguf"
+        if mode == "none" or (mode == "auto" and not gguf):
+            return {}, None
+        if (why := self._why_no_c_layers(model, kernel)) is not None:
+            return {}, why
+        converted = getattr(source, "converted_dir", None) if gguf else None
+        converted = converted if converted is not None and converted.is_dir() else None
+        cache = self.config.quant_cache or (converted / quant.cache_name(mode) if converted is not None else None)
+        return quant.packed_weights(model, kernel, mode, source.source if gguf else None,
+                                    self.config.quant_source or converted, cache), None
+
+    def _why_no_c_layers(self, model, kernel) -> str | None:
+        """Why decoder.c will not run this model, as far as it shows before the linears are fused (None: it may)."""
+        family = families.text_config(model.config).model_type
+        if self.device.type != "cpu":
+            return f"they run on a CPU, not {self.device.type}"
+        if self.dtype is not torch.bfloat16:
+            return f"they run in bfloat16, not {self.weights}"
+        if not self.config.fast_linears:
+            return "fast linears are off"
+        if kernel is None:
+            return f"no CPU kernels: {self.matmul}"
+        if self.config.tp != 1:
+            return f"not with tensor parallelism (tp {self.config.tp})"
+        if getattr(model, "hf_device_map", None):
+            return "not with a device map"
+        if family not in native.SUPPORTED_MODEL_TYPES:
+            return f"{family} layers are not implemented in C"
+        return None
 
     def _check_serving_path(self, what: str) -> None:
         """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that

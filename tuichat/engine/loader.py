@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -19,6 +20,7 @@ from tuichat.catalog import ResolvedModel
 from tuichat.engine import families
 from tuichat.engine.cpu_kernel import cpu_flags
 from tuichat.engine.heap import settle_heap
+from tuichat.paths import cache_dir
 
 _DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an interrupted conversion
 
@@ -223,6 +225,41 @@ def load(
     settle_heap()
     report(progress, f"Loaded {model.name}", 1.0)
     return weights, tokenizer
+
+
+def checkpoint_dir(model: ResolvedModel) -> Path | None:
+    """The folder transformers reads `model`'s weights from: a GGUF's conversion, a local folder, a hub
+    model's snapshot in the Hugging Face cache (None where there is none: a model not downloaded yet)."""
+    if model.kind == "gguf":
+        return model.converted_dir
+    if model.kind == "local":
+        return Path(model.source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model.source, local_files_only=True))
+    except Exception:  # not in the cache (or a cache huggingface_hub cannot read): nothing to key by
+        return None
+
+
+def quant_cache(model: ResolvedModel, quant: str) -> Path | None:
+    """Where the engine caches a dense checkpoint's weights quantized for --quant `quant` (int8, int4): a folder
+    of the cache dir keyed by the checkpoint's identity, its folder (a hub snapshot's path names its revision)
+    and its weight files' (and config's) names, sizes and mtimes, so that a checkpoint rewritten in place is
+    quantized anew. None where nothing is cached here: another mode, a GGUF (cached beside its conversion), a
+    checkpoint not found."""
+    from tuichat.engine.quant import QUANT_FORMATS, cache_name
+
+    folder = checkpoint_dir(model) if quant in QUANT_FORMATS and model.kind != "gguf" else None
+    if folder is None or not folder.is_dir():
+        return None
+    identity = [str(folder.resolve())]
+    for path in sorted(folder.iterdir()):
+        if (path.suffix in (".safetensors", ".bin") or path.name == "config.json") and path.is_file():
+            info = path.stat()  # through a hub snapshot's links: the blob's
+            identity.append(f"{path.name} {info.st_size} {info.st_mtime_ns}")
+    key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:32]
+    return cache_dir() / "quantized" / key / cache_name(quant)
 
 
 def refuse_unsupported(name: str, source: str) -> str:

@@ -285,6 +285,8 @@ class EnginePanel(Vertical):
             for id_ in ("sched", "kv", "prefix", "turn"):
                 self.query_one(f"#engine-{id_}", Static).update("")
             return
+        weights, _, why_not_quantized = stats.weights.partition(" (")
+        why_not_quantized = why_not_quantized.removesuffix(")")
         self.query_one("#engine-model", Static).update(
             Content.assemble(
                 (stats.model or "no model", "bold"),
@@ -292,7 +294,8 @@ class EnginePanel(Vertical):
                 f"\n{stats.batching} batching",
                 f"\n{stats.matmul.partition(' (')[0]} matmul" if stats.matmul else "",
                 " · C layers" if stats.layers == "C" else "",
-                f"\n{stats.weights} weights · {stats.weight_bytes / 2**20:.0f} MB a step" if stats.weights else "",
+                f"\n{weights} weights · {stats.weight_bytes / 2**20:.0f} MB a step" if weights else "",
+                f"\n{why_not_quantized}" if why_not_quantized else "",  # --quant int8 where the C layers don't run
             )
         )
         self.query_one("#engine-sched", Static).update(
