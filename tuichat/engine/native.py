@@ -188,9 +188,10 @@ class NativeDecoder:
         tables_t = torch.tensor(tables, dtype=torch.int32)
         shape = self.shape
         # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
-        _check(hidden, (len(tokens), shape.hidden), "hidden states", hidden.dtype)
-        _check(cos, (len(tokens), shape.head_dim), "rotary cos", hidden.dtype)
-        _check(sin, (len(tokens), shape.head_dim), "rotary sin", hidden.dtype)
+        dtype = torch.float32 if self.every_step else torch.bfloat16
+        _check(hidden, (len(tokens), shape.hidden), "hidden states", dtype)
+        _check(cos, (len(tokens), shape.head_dim), "rotary cos", dtype)
+        _check(sin, (len(tokens), shape.head_dim), "rotary sin", dtype)
         # A longer step in pieces of MAX_ROWS, in order: a piece's rows find the K/V of the pieces before it
         # in the cache, as they would their own.
         for a in range(0, len(tokens), MAX_ROWS):
