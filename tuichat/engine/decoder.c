@@ -41,14 +41,14 @@ static void add_into(uint16_t *x, const uint16_t *y, long n) {
  * one the file dequantizes to, so every activation stays fp32 (as llama.cpp keeps them) and the KV cache is
  * f16 (as llama.cpp's): a bf16 rounding of each linear's input before its int8 quantization, and a bf16 cache,
  * each measurably moved the replies further from float32's (scripts/fidelity.py). */
-static void rms_norm_f32(const float *x, const uint16_t *weight, float *out, int rows, int width, float eps) {
+static void rms_norm_f32(const float *x, const float *weight, float *out, int rows, int width, float eps) {
     for (int t = 0; t < rows; t++) {
         const float *row = x + (long)t * width;
         vf squares = {};
         for (int i = 0; i < width; i += LANES) { vf v = load_f32(row + i); squares += v * v; }
         vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
         for (int i = 0; i < width; i += LANES)
-            store_f32(out + (long)t * width + i, load_f32(row + i) * scale * load_bf16(weight + i));
+            store_f32(out + (long)t * width + i, load_f32(row + i) * scale * load_f32(weight + i));
     }
 }
 
@@ -277,8 +277,8 @@ int any_linear(const void *x, const void *w, int format, const uint16_t *bias, v
 static __thread struct { void *memory; size_t size; } scratch;
 
 /* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin [rows, dim]: bf16, rounded
- * where transformers rounds, or with `f32` fp32, every activation unrounded and the cache f16 (see
- * rms_norm_f32); layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds
+ * where transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the
+ * cache f16 (see rms_norm_f32); layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds
  * num_blocks blocks. 0 on success, -3 for a block table or position outside the cache. */
 int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, const int32_t *pos,
                     const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
@@ -313,7 +313,7 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
     for (int l = 0; l < num_layers && status == 0; l++) {
         const uint64_t *p = layers + (long)l * PER_LAYER;
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
-        if (f32) rms_norm_f32(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
+        if (f32) rms_norm_f32(hidden, (const float *)p[ATTN_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
         status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads, f32);
         for (int t = 0; t < rows; t++) {
@@ -355,7 +355,7 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
         status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
         if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
-        if (f32) rms_norm_f32(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
+        if (f32) rms_norm_f32(hidden, (const float *)p[MLP_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
         status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads, f32);
         if (f32) silu_mul_f32(gate_up, act, rows, inter, threads);

@@ -48,14 +48,17 @@ class EngineConfig:
     quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
 
 
-def _drop_bf16_linears(model, packed_head: bool) -> None:
+def _drop_bf16_copies(model, packed_head: bool, fp32_embedding: bool) -> None:
     """With the decoder layers served from packed weights, their bf16 copies are dead weight: free them. The
-    layers' modules stay, weightless; every step of such a model runs through decoder.c. So does an untied
-    lm_head's copy when it is packed too (a tied one is the embedding, which stays)."""
+    layers' modules stay, weightless; every step of such a model runs through decoder.c. So does the lm_head's
+    copy when it is packed too, unless it is (tied) the embedding and the decoder reads that in bf16."""
     modules = [m for layer in model.model.layers for m in
                (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
-    if packed_head and model.lm_head.weight is not model.model.embed_tokens.weight:
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if packed_head and (not tied or fp32_embedding):
         modules.append(model.lm_head)
+    if fp32_embedding:
+        modules.append(model.model.embed_tokens)
     for module in modules:
         module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
@@ -125,7 +128,7 @@ class Engine:
         kernel = None
         if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
             kernel, self.matmul = cpu_kernel.load()
-        packed, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
+        packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
             # transformers' layers take our linear only where it beat torch's at every row count measured:
             # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
@@ -150,8 +153,9 @@ class Engine:
         if packed and self.layers == "C":
             # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
             self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
-            self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel, packed))
-            _drop_bf16_linears(model, "lm_head" in packed)
+            decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel, packed, exact)
+            self._use_decoder(decoder)
+            _drop_bf16_copies(model, "lm_head" in packed, decoder.embedding is not None)
         elif config.quant in quant.QUANT_FORMATS:  # asked for, not served: say why, never silently
             why = unpacked or self.layers.partition(" (")[2].removesuffix(")") or "no linear of this model fits them"
             self.weights += f" ({config.quant} needs the C layers: {why})"
@@ -191,19 +195,21 @@ class Engine:
         self.weights = decoder.formats
         self.weight_bytes = decoder.weight_bytes
 
-    def _packed_weights(self, model, kernel, source) -> tuple[dict, str | None]:
-        """(the linears --quant serves in blocks where the C layers will run them, {} for none; why none, where
-        it can be told before the linears are fused): a GGUF's own blocks, or a dense model's int8/int4."""
+    def _packed_weights(self, model, kernel, source) -> tuple[dict, dict, str | None]:
+        """(the linears --quant serves in blocks where the C layers will run them, {} for none; the checkpoint's
+        fp32 embedding and norms to run beside them (quant.exact_tensors); why none, where it can be told before
+        the linears are fused): a GGUF's own blocks, or a dense model's int8/int4."""
         mode, gguf = self.config.quant, getattr(source, "kind", None) == "gguf"
         if mode == "none" or (mode == "auto" and not gguf):
-            return {}, None
+            return {}, {}, None
         if (why := self._why_no_c_layers(model, kernel)) is not None:
-            return {}, why
+            return {}, {}, why
         converted = getattr(source, "converted_dir", None) if gguf else None
         converted = converted if converted is not None and converted.is_dir() else None
         cache = self.config.quant_cache or (converted / quant.cache_name(mode) if converted is not None else None)
-        return quant.packed_weights(model, kernel, mode, source.source if gguf else None,
-                                    self.config.quant_source or converted, cache), None
+        checkpoint = self.config.quant_source or converted
+        packed = quant.packed_weights(model, kernel, mode, source.source if gguf else None, checkpoint, cache)
+        return packed, quant.exact_tensors(model, checkpoint) if packed else {}, None
 
     def _why_no_c_layers(self, model, kernel) -> str | None:
         """Why decoder.c will not run this model, as far as it shows before the linears are fused (None: it may)."""

@@ -88,10 +88,11 @@ def _rotary_width(model) -> int:
 class NativeDecoder:
     """`packed`: weights to serve as a GGUF file stores them (quant.from_gguf), by parameter name; the other
     linears are read in bf16. With any packed weight the decoder runs every step, splitting one longer than
-    the kernels' 512 rows: transformers' layers then have no weights of their own to run."""
+    the kernels' 512 rows: transformers' layers then have no weights of their own to run. It then reads the
+    embedding and the norms' weights in fp32: `exact`'s (quant.exact_tensors) where given, else the model's."""
 
     def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels,
-                 packed: dict[str, PackedWeight] | None = None) -> None:
+                 packed: dict[str, PackedWeight] | None = None, exact: dict[str, torch.Tensor] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.shape = ModelShape.of(model.config)
@@ -100,6 +101,15 @@ class NativeDecoder:
         self.every_step = bool(packed)
         # Packed weights: fp32 activations over an f16 cache, as llama.cpp keeps them (see decoder.c).
         self.kv_dtype = torch.float16 if packed else torch.bfloat16
+        exact = exact or {}
+
+        def fp32(name: str, weight: torch.Tensor) -> torch.Tensor:
+            return exact.get(name, weight.detach().float().contiguous())
+
+        self.embedding = exact.get("model.embed_tokens.weight")  # else rows of the model's, widened
+        self.final_norm = fp32("model.norm.weight", model.model.norm.weight) if packed else None
+        self.final_eps = model.model.norm.variance_epsilon
+        self._norms: list[torch.Tensor] = []  # the fp32 norm weights decoder.c reads by address
         layers = model.model.layers
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.scale = layers[0].self_attn.scaling
@@ -134,15 +144,21 @@ class NativeDecoder:
                                                (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]):
                 _check_weight(weight, shape, f"layer {i}")
             qkv_w, o_w, gate_up_w, down_w = weights
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if packed:
+                norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]
+                self._norms += norms
             expected = [
-                (layer.input_layernorm.weight, (s.hidden,)), (qkv_w.data, None), (attn.fused_q_k_v.bias, (qkv,)),
-                (o_w.data, None), (attn.o_proj.bias, (s.hidden,)), (layer.post_attention_layernorm.weight, (s.hidden,)),
+                (norms[0], (s.hidden,)), (qkv_w.data, None), (attn.fused_q_k_v.bias, (qkv,)),
+                (o_w.data, None), (attn.o_proj.bias, (s.hidden,)), (norms[1], (s.hidden,)),
                 (gate_up_w.data, None), (mlp.fused_gate_up.bias, (2 * s.intermediate,)), (down_w.data, None),
                 (mlp.down_proj.bias, (s.hidden,)), (kv.k[i], cache), (kv.v[i], cache),
             ]
             for tensor, shape in expected:
                 if tensor is not None and shape is not None:
-                    _check(tensor, shape, f"layer {i}", self.kv_dtype if tensor is kv.k[i] or tensor is kv.v[i] else torch.bfloat16)
+                    dtype = (self.kv_dtype if tensor is kv.k[i] or tensor is kv.v[i]
+                             else torch.float32 if any(tensor is n for n in norms) and packed else torch.bfloat16)
+                    _check(tensor, shape, f"layer {i}", dtype)
             addresses += [0 if t is None else t.data_ptr() for t, _ in expected] + [w.format for w in weights]
             self.weights += weights
         if self.head is not None:
@@ -178,8 +194,10 @@ class NativeDecoder:
             table_offsets += [len(tables)] * len(chunk.token_ids)
             tables += chunk.block_table
         model = self.model.model
-        hidden = model.embed_tokens(torch.tensor(tokens))  # a fresh tensor: decoder.c updates it in place
-        if self.every_step:  # packed weights: every activation in fp32 (see decoder.c's rms_norm_f32)
+        ids = torch.tensor(tokens)
+        # A fresh tensor either way: decoder.c updates it in place. Packed weights: every activation in fp32.
+        hidden = model.embed_tokens(ids) if self.embedding is None else self.embedding[ids]
+        if self.every_step:
             hidden = hidden.float()
         position_ids = torch.tensor(positions)
         cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))  # in hidden's dtype
@@ -206,5 +224,9 @@ class NativeDecoder:
                 raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
         if not sample_rows:
             return None
-        last = model.norm(hidden[sample_rows])  # packed: fp32 in, fp32 out (the bf16 weight is promoted)
+        last = hidden[sample_rows]
+        if self.final_norm is None:
+            last = model.norm(last)
+        else:  # transformers' RMSNorm, over fp32 weights
+            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.final_eps) * self.final_norm
         return self.lm_head(last).float()

@@ -169,6 +169,24 @@ def from_dense(model, kernel, format: int, checkpoint: Path | None = None, skip=
     return packed
 
 
+def exact_tensors(model, checkpoint: Path | None) -> dict[str, torch.Tensor]:
+    """{parameter name: float32 tensor} of the embedding and every RMSNorm weight the checkpoint's files hold
+    in more precision than the model loaded them (a GGUF's conversion: its F32 norms and its embedding's
+    dequantized values), for the packed decoder's fp32 activations, as llama.cpp reads them. Checked as
+    from_dense's sources are: a tensor must round to what the model loaded."""
+    norms = [name for name, module in model.named_modules() if name.endswith("norm") and hasattr(module, "weight")]
+    wanted = {f"{name}.weight": model.get_submodule(name).weight for name in norms}
+    wanted["model.embed_tokens.weight"] = model.model.embed_tokens.weight
+    exact = {}
+    with ExitStack() as files:
+        stored = _checkpoint_tensors(checkpoint, files)
+        for name, weight in wanted.items():
+            tensor = _stored(stored, name, weight) if weight.dtype is not torch.float32 else None
+            if tensor is not None and not torch.equal(tensor, weight.detach().float()):  # (else the model's are exact)
+                exact[name] = tensor.contiguous()
+    return exact
+
+
 def _checkpoint_tensors(checkpoint: Path | None, files: ExitStack) -> dict:
     """{tensor name: the open safetensors file that holds it} over the checkpoint's files (not tuichat's own)."""
     from safetensors import SafetensorError, safe_open
