@@ -138,6 +138,8 @@ class TuichatApp(App[None]):
         self._canonical: dict[str, str] = {}  # model spec -> the name backend.load returned
         self.known_models: dict[str, str] = {spec: "from config" for spec in config.models}
         self._theme_ready = False
+        # The [keymap] rebindings given to set_keymap, kept for showing keys: Textual has no public getter.
+        self._rebound: dict[str, str] = {}
 
     # --- start-up -----------------------------------------------------------------------------------
 
@@ -218,7 +220,8 @@ class TuichatApp(App[None]):
                 severity="warning",
                 timeout=10,
             )
-        self.set_keymap({key: value for key, value in self.config.keymap.items() if key in known})
+        self._rebound = {key: value for key, value in self.config.keymap.items() if key in known}
+        self.set_keymap(self._rebound)
 
     def _apply_themes(self) -> None:
         themes, warnings = load_themes()
@@ -567,7 +570,7 @@ class TuichatApp(App[None]):
         self.push_screen(HelpScreen(rows))
 
     def _keys_display(self, binding: Binding) -> str:
-        keys = self._keymap.get(binding.id, binding.key) if binding.id else binding.key
+        keys = self._rebound.get(binding.id, binding.key) if binding.id else binding.key
         return ", ".join(self.get_key_display(Binding(key.strip(), "")) for key in keys.split(","))
 
     def action_toggle_engine(self) -> None:
