@@ -19,10 +19,11 @@ from tuichat.backend import EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.chat import ChatTab, sampling_key
+from tuichat.ui.chat import ChatTab
 from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import HelpScreen, ModelPicker, SamplingScreen, SearchScreen
+from tuichat.ui.turns import sampling_key
 from tuichat.ui.widgets import EnginePanel, TtftMeter
 
 SIZE = (110, 36)

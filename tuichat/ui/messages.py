@@ -13,6 +13,7 @@ from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
 if TYPE_CHECKING:
     from tuichat.store import MessageRow
+    from tuichat.ui.pacing import PaintPacer
 
 
 class UserMessage(Static):
@@ -65,7 +66,7 @@ class AssistantMessage(Vertical):
 
     def __init__(
         self, text: str, *, status: str, message_id: int, model: str, error: str | None = None,
-        detail: str | None = None,
+        detail: str | None = None, pacer: PaintPacer | None = None,
     ) -> None:
         super().__init__(classes="message assistant", id=f"msg-{message_id}")
         self._chunks = [text] if text else []
@@ -77,6 +78,7 @@ class AssistantMessage(Vertical):
         self._stream: MarkdownStream | None = None
         self._unpainted: list[str] = []  # streamed chunks not yet given to the Markdown widget
         self._paint_timer: Timer | None = None
+        self._pacer = pacer  # a reply that streams has one; without, every chunk is painted at once
 
     def compose(self):
         yield Static(self.model, classes="role", markup=False)
@@ -101,7 +103,7 @@ class AssistantMessage(Vertical):
         self.query_one(".role", Static).update(model)
 
     async def append(self, text: str, *, paint: bool = True) -> None:
-        """Add a chunk. It is painted at once if the app's paint pacer says a paint is due, else by a
+        """Add a chunk. It is painted at once if the paint pacer says a paint is due, else by a
         timer, with whatever else arrives meanwhile; `paint=False` (a hidden tab) keeps it until `paint()`.
         Each paint re-parses only the last block (MarkdownStream), so a token costs the same at the end of
         a long reply as at the start."""
@@ -109,7 +111,7 @@ class AssistantMessage(Vertical):
         self._unpainted.append(text)
         if not paint or self._paint_timer is not None:
             return
-        wait = self.app.paint_pacer.wait()
+        wait = self._pacer.wait() if self._pacer is not None else 0
         if wait <= 0:
             await self.paint()
         else:
@@ -130,7 +132,8 @@ class AssistantMessage(Vertical):
             return
         text = "".join(self._unpainted)
         self._unpainted.clear()
-        self.app.paint_pacer.painted()
+        if self._pacer is not None:
+            self._pacer.painted()
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
         await self._stream.write(text)
