@@ -1,5 +1,6 @@
-"""A Backend for UI tests: DemoBackend's canned replies and recording, plus knobs to hold a reply in flight
-and to make things fail. No torch anywhere."""
+"""A Backend for UI tests: DemoBackend's canned replies, a record of what it was asked, and knobs to hold a
+reply in flight and to make things fail; and the virtual clock that fixes the meter's numbers. No torch
+anywhere."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from typing import AsyncIterator, Sequence
 
 from tuichat.backend import BackendError, Message, SamplingParams, StreamEvent, Usage
 from tuichat.ui.demo import DemoBackend
+
+
+class VirtualClock:
+    """Time that moves only when someone sleeps on it: the meter shows the same numbers on every run."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
 
 
 # Short, so a test's reply takes a few frames; one has a code block to copy.
@@ -32,6 +47,8 @@ class FakeBackend(DemoBackend):
         self.load_delay_s = 0.0  # extra, real seconds in load(), to test waiting for a model
         self.load_calls: list[str] = []
         self.reported_usage: Usage | None = None  # if given, the prompt and cached tokens every reply reports
+        self.calls: list[dict] = []  # every stream() call: conversation_id, messages, params, model
+        self.max_in_flight = 0
 
     def _usage(self, conversation_id: str, messages: Sequence[Message]) -> Usage:
         if self.reported_usage is not None:
@@ -52,6 +69,11 @@ class FakeBackend(DemoBackend):
     ) -> AsyncIterator[StreamEvent]:
         if model not in self.loaded:
             raise BackendError(f"{model} was never loaded")
+        self.calls.append(
+            {"conversation_id": conversation_id, "messages": list(messages), "params": params, "model": model}
+        )
+        # DemoBackend.stream adds it to in_flight before its first await.
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight | {conversation_id}))
         async with aclosing(super().stream(conversation_id, messages, params, model)) as events:
             count = 0
             async for event in events:

@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 from textual.widgets import Markdown, Static
 
-from tests.fake_backend import SHORT_REPLIES, FakeBackend
+from tests.fake_backend import SHORT_REPLIES, FakeBackend, VirtualClock
 from tests.waiting import until
 from tuichat.backend import EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.chat import AssistantMessage, ChatTab, UserMessage, sampling_key
-from tuichat.ui.demo import VirtualClock
+from tuichat.ui.chat import ChatTab
+from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import HelpScreen, ModelPicker, SamplingScreen, SearchScreen
+from tuichat.ui.turns import sampling_key
 from tuichat.ui.widgets import EnginePanel, TtftMeter
 
 SIZE = (110, 36)

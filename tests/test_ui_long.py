@@ -28,7 +28,8 @@ from tests.waiting import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.chat import PAGE, WINDOW, AssistantMessage, EarlierMessages, UserMessage
+from tuichat.ui.message_log import PAGE, WINDOW, EarlierMessages
+from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.demo import REPLIES
 from tuichat.ui.pacing import PaintPacer
 
@@ -369,8 +370,8 @@ if __name__ == "__main__":
     for name in ("CONFIG", "DATA", "CACHE"):
         os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
     if len(sys.argv) > 2:  # try another window size
-        import tuichat.ui.chat
+        import tuichat.ui.message_log
 
-        tuichat.ui.chat.WINDOW = int(sys.argv[2])
+        tuichat.ui.message_log.WINDOW = int(sys.argv[2])
     messages = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     asyncio.run(measure(messages, int(os.environ.get("SEND_TURNS", "0"))))

@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from tests.fake_backend import FakeBackend
+from tests.fake_backend import FakeBackend, VirtualClock
 from tests.waiting import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.demo import REPLIES, VirtualClock
+from tuichat.ui.demo import REPLIES
 
 SIZE = (110, 34)
 

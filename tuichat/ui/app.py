@@ -32,7 +32,7 @@ from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store
 from tuichat.themes import load_themes
-from tuichat.ui.chat import NEW_TITLE, ChatTab, sampling_key, stored_sampling
+from tuichat.ui.chat import NEW_TITLE, ChatTab
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import (
     Dialog,
@@ -43,6 +43,8 @@ from tuichat.ui.screens import (
     SamplingScreen,
     SearchScreen,
 )
+from tuichat.ui.services import TabServices
+from tuichat.ui.turns import sampling_key, stored_sampling
 from tuichat.ui.widgets import EnginePanel, Prompt
 
 FALLBACK_THEME = "textual-dark"
@@ -126,8 +128,6 @@ class TuichatApp(App[None]):
         # The conversations this instance has as tabs: another tuichat on the same history leaves them alone.
         self.locks = ConversationLocks(store.path.parent / "locks")
         self._locks_failed = False
-        self.clock = clock  # tests and screenshots pass a virtual clock so the meter's numbers are fixed
-        self.paint_pacer = PaintPacer()
         self._backend_factory = backend_factory
         self._warnings = list(warnings)
         self.backend: Backend | None = None
@@ -138,6 +138,18 @@ class TuichatApp(App[None]):
         self._canonical: dict[str, str] = {}  # model spec -> the name backend.load returned
         self.known_models: dict[str, str] = {spec: "from config" for spec in config.models}
         self._theme_ready = False
+        # The [keymap] rebindings given to set_keymap, kept for showing keys: Textual has no public getter.
+        self._rebound: dict[str, str] = {}
+        self.tab_services = TabServices(
+            store=store,
+            backend=lambda: self.backend,
+            ensure_model=self.ensure_model,
+            model_name=self.model_name,
+            model_state=self.model_state,
+            system_prompt=config.system_prompt,
+            pacer=PaintPacer(),  # one for every tab: they all paint on this thread
+            clock=clock,  # tests pass a virtual clock so the meter's numbers are fixed
+        )
 
     # --- start-up -----------------------------------------------------------------------------------
 
@@ -187,7 +199,9 @@ class TuichatApp(App[None]):
 
     def _make_tab(self, row: ConversationRow) -> ChatTab:
         sampling = stored_sampling(self.store.get_setting(sampling_key(row.id)), self.config.sampling)
-        return ChatTab(row.id, row.title, row.model, sampling, self.store.messages(row.id))
+        return ChatTab(
+            row.id, row.title, row.model, sampling, self.store.messages(row.id), services=self.tab_services
+        )
 
     def on_mount(self) -> None:
         for warning in self._warnings:
@@ -218,7 +232,8 @@ class TuichatApp(App[None]):
                 severity="warning",
                 timeout=10,
             )
-        self.set_keymap({key: value for key, value in self.config.keymap.items() if key in known})
+        self._rebound = {key: value for key, value in self.config.keymap.items() if key in known}
+        self.set_keymap(self._rebound)
 
     def _apply_themes(self) -> None:
         themes, warnings = load_themes()
@@ -567,7 +582,7 @@ class TuichatApp(App[None]):
         self.push_screen(HelpScreen(rows))
 
     def _keys_display(self, binding: Binding) -> str:
-        keys = self._keymap.get(binding.id, binding.key) if binding.id else binding.key
+        keys = self._rebound.get(binding.id, binding.key) if binding.id else binding.key
         return ", ".join(self.get_key_display(Binding(key.strip(), "")) for key in keys.split(","))
 
     def action_toggle_engine(self) -> None:

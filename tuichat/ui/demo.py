@@ -57,8 +57,8 @@ message needs computing.
 
 
 class DemoBackend:
-    """Follows the Backend protocol with canned replies. Timings are parameters; `sleep` and `clock` may be
-    a VirtualClock's so that numbers on screen do not depend on the machine."""
+    """Follows the Backend protocol with canned replies. Timings are parameters, and so are `clock` and
+    `sleep`: a virtual clock makes the numbers on screen the same on every machine."""
 
     def __init__(
         self,
@@ -79,10 +79,8 @@ class DemoBackend:
         self.clock = clock
         self.sleep = sleep
         self.loaded: list[str] = []
-        self.calls: list[dict] = []  # every stream() call: conversation_id, messages, params, model
         self.cancelled: list[str] = []  # conversation ids passed to cancel()
         self.in_flight: set[str] = set()
-        self.max_in_flight = 0
         self._cached: dict[str, int] = {}  # conversation -> tokens its KV holds (prompt + reply)
         self._prompt_tokens = 0
         self._hit_tokens = 0
@@ -123,15 +121,11 @@ class DemoBackend:
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        self.calls.append(
-            {"conversation_id": conversation_id, "messages": list(messages), "params": params, "model": model}
-        )
         if conversation_id in self.cancelled:
             self.cancelled.remove(conversation_id)
         usage = self._usage(conversation_id, messages)
         start = self.clock()
         self.in_flight.add(conversation_id)
-        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         try:
             await self.sleep(self.first_token_s)
             pieces = self.chunks(self.reply_for(messages))[: params.max_tokens]
@@ -175,20 +169,6 @@ class DemoBackend:
 
     async def close(self) -> None:
         pass
-
-
-class VirtualClock:
-    """Time that moves only when someone sleeps on it: the meter shows the same numbers on every run."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
 
 
 async def take_screenshots(folder: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -13,6 +14,9 @@ from textual.timer import Timer
 from textual.widgets import Sparkline, Static, TextArea
 
 from tuichat.backend import EngineStats, Usage
+
+if TYPE_CHECKING:
+    from tuichat.ui.pacing import PaintPacer
 
 SPARK_TURNS = 24
 REDRAW_S = 0.05  # the meter redraws at most this often while tokens stream
@@ -50,7 +54,7 @@ class Prompt(TextArea):
             self.text = text
             self.t_enter = t_enter  # app clock at the Enter key: where TTFT starts
 
-    def __init__(self, history: list[str], **kwargs) -> None:
+    def __init__(self, history: list[str], *, clock: Callable[[], float], **kwargs) -> None:
         super().__init__(
             soft_wrap=True,
             compact=True,
@@ -58,6 +62,7 @@ class Prompt(TextArea):
             **kwargs,
         )
         self.prompt_history = history  # earlier prompts, oldest first
+        self._clock = clock  # the app clock, which TTFT is measured on
         self._recalled: int | None = None  # index into history of the text shown, while browsing it
 
     def on_mount(self) -> None:
@@ -69,7 +74,7 @@ class Prompt(TextArea):
     # behind them, so Enter sends everything typed before it and nothing typed after it.
 
     def action_send(self) -> None:
-        self.call_later(self._send, self.app.clock())
+        self.call_later(self._send, self._clock())
 
     def action_newline(self) -> None:
         self.call_later(self.insert, "\n")
@@ -155,9 +160,13 @@ class TtftMeter(Horizontal):
     """Live latency of this tab's replies: waiting time counting up, then TTFT (Enter → first painted
     token), inter-token latency and decode speed, and a sparkline of TTFT over the tab's turns."""
 
-    def __init__(self, ttft_history: list[float], **kwargs) -> None:
+    def __init__(
+        self, ttft_history: list[float], *, clock: Callable[[], float], pacer: PaintPacer, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self._history = ttft_history
+        self._clock = clock  # the app clock: the prompt's Enter time is on it
+        self._pacer = pacer  # the replies' paint pacer
         self._turn: TurnTiming | None = None
         self._usage: Usage | None = None
         self._ticker: Timer | None = None
@@ -193,7 +202,7 @@ class TtftMeter(Horizontal):
         turn = self._turn
         if turn is None or turn.t_first is not None:
             return
-        turn.t_first = self.app.clock()
+        turn.t_first = self._clock()
         self._stop_ticker()
         self._history.append(turn.ttft_ms)
         self._show_sparkline()
@@ -204,7 +213,7 @@ class TtftMeter(Horizontal):
         turn = self._turn
         if turn is None:
             return
-        now = self.app.clock()
+        now = self._clock()
         if turn.t_last is not None:
             turn.itl_total += now - turn.t_last
         turn.t_last = now
@@ -212,7 +221,7 @@ class TtftMeter(Horizontal):
         turn.tokens = max(completion_tokens, turn.chunks)
         # At hundreds of tokens/s, redrawing per token would cost more than the frames can show; and no
         # more often than the reply itself is painted (measured: 20 redraws/s took 6 % of a core).
-        every = max(REDRAW_S, self.app.paint_pacer.pause)
+        every = max(REDRAW_S, self._pacer.pause)
         if turn.t_first is not None and time.monotonic() - self._drawn_at >= every:
             self._redraw()
 
@@ -243,7 +252,7 @@ class TtftMeter(Horizontal):
         if turn.t_first is None:
             if self._ticker is None:  # finished without a token (error, stopped while waiting)
                 return Content("TTFT –  no tokens").stylize("dim")
-            waited = (self.app.clock() - turn.t_enter) * 1000
+            waited = (self._clock() - turn.t_enter) * 1000
             return Content.assemble(("waiting ", "bold"), _ms(waited))
         tok_s = turn.tokens_per_s
         text = Content.assemble(

@@ -1,0 +1,24 @@
+"""What the app gives each conversation tab when it makes one: the tab, its turns and its widgets use these
+and never reach into the app object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from tuichat.backend import Backend
+    from tuichat.store import Store
+    from tuichat.ui.pacing import PaintPacer
+
+
+@dataclass(frozen=True)
+class TabServices:
+    store: Store
+    backend: Callable[[], Backend | None]  # None until the engine has started, and for good if it failed
+    ensure_model: Callable[[str], Awaitable[str]]  # loads a model spec once (shared by tabs); its canonical name
+    model_name: Callable[[str], str]  # a spec's canonical name once loaded, else the spec
+    model_state: Callable[[str], str]  # what the model bar says about a spec ("loading 40% · …"), "" if ready
+    system_prompt: str | None
+    pacer: PaintPacer  # one for the app: every tab paints on the same UI thread
+    clock: Callable[[], float]  # what latencies are measured on (tests give a virtual one)
