@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tuichat.backend import SamplingParams  # noqa: E402
-from tuichat.catalog import resolve  # noqa: E402
-from tuichat.engine.engine import Engine, EngineConfig  # noqa: E402
-from tuichat.engine.request import Status  # noqa: E402
+from tuichat.backend import SamplingParams
+from tuichat.catalog import resolve
+from tuichat.engine.engine import Engine, EngineConfig
+from tuichat.engine.request import Status
 
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

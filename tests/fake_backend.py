@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import replace
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from tuichat.backend import BackendError, Message, SamplingParams, StreamEvent, Usage
 from tuichat.ui.demo import DemoBackend

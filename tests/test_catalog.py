@@ -54,7 +54,7 @@ def test_a_damaged_index_is_started_again(tmp_path):
     expected = converted_dir(path)
     stat = path.stat()
     not_a_hash = json.dumps({str(path): [stat.st_size, stat.st_mtime_ns, "../../elsewhere"]})
-    for damage in ("{not json", "[1, 2]", '{"%s": 3}' % path, not_a_hash):
+    for damage in ("{not json", "[1, 2]", f'{{"{path}": 3}}', not_a_hash):
         (catalog.converted_root() / "hashes.json").write_text(damage)
         assert converted_dir(path) == expected
 

@@ -76,7 +76,7 @@ def nothing_loaded(tmp_path) -> bool:
 @pytest.mark.parametrize("encoding", [None, "utf-8:strict"])  # stdin's errors are surrogateescape or strict by locale
 def test_ask_with_invalid_utf8_on_stdin_says_where_and_sends_nothing(tmp_path, encoding):
     env = {"PYTHONIOENCODING": encoding} if encoding else {}
-    result = ask(tmp_path, "-", stdin="Why is the sky blue?".encode() + b" \xff\xfe", **env)
+    result = ask(tmp_path, "-", stdin=b"Why is the sky blue?" + b" \xff\xfe", **env)
     assert "the prompt on stdin is not valid UTF-8 (byte 0xff at 21)" in one_clear_line(result)
     assert nothing_loaded(tmp_path)
 

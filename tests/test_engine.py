@@ -7,7 +7,6 @@ import random
 import time
 
 import pytest
-import torch
 
 from conftest import hf_greedy, make_tiny
 from tuichat.backend import BackendError, SamplingParams

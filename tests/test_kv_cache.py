@@ -54,7 +54,7 @@ def test_block_accounting_survives_any_interleaving(ops, prefix_cache):
         assert refs == [b.ref_count for b in manager.blocks]  # ref counts are exactly the table references
         assert manager.num_free == sum(1 for r in refs if r == 0)
         assert prefix_cache or max(refs, default=0) <= 1
-        for block_id, held in holders.items():
+        for held in holders.values():
             if len(held) > 1:  # shared: a full block, at one place, after the same tokens in every holder
                 (first, index), *others = held
                 end = (index + 1) * manager.block_size

@@ -8,7 +8,6 @@ The tokenizers are built here, offline, with the `tokenizers` library."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 
 import pytest

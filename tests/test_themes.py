@@ -72,7 +72,7 @@ def test_high_contrast_theme_meets_wcag_aaa_everywhere(no_user_themes):
 async def test_bundled_themes_apply_in_a_textual_app(no_user_themes):
     themes, _ = load_themes(no_user_themes)
     app = ThemedApp()
-    async with app.run_test() as pilot:
+    async with app.run_test():
         for theme in themes:
             app.register_theme(theme)
         for theme in themes:

@@ -678,7 +678,7 @@ async def test_fast_tab_keys_never_split_the_view_from_the_typing():
     from textual import events
 
     app, _ = make_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=SIZE):
         first = app.active_tab
         for key in ["ctrl+t", *"two", "ctrl+pageup", *"one"]:
             app.post_message(events.Key(key, key if len(key) == 1 else None))

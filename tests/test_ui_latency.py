@@ -55,7 +55,7 @@ async def test_keypress_latency_while_tabs_stream():
     keys = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"[:KEYS]
     app = TuichatApp(lambda: backend, Config(), Store())
     app.animation_level = "none"
-    async with app.run_test(size=(110, 36), message_hook=hook) as pilot:
+    async with app.run_test(size=(110, 36), message_hook=hook):
         await until(lambda: "smollm2-135m" in backend.loaded, what="model")
         idle = await type_keys(app, inserted, keys)
         app.active_tab.prompt.clear()

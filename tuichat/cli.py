@@ -157,8 +157,13 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
         _fail(str(exc))
 
 
+def stderr_progress(what: str, fraction: float | None) -> None:
+    """Loading progress for the command line: one line per stage on stderr."""
+    suffix = f" ({fraction:.0%})" if fraction not in (None, 0.0, 1.0) else ""
+    print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)
+
+
 async def _ask(model: str, options: EngineOptions, messages, params: SamplingParams, as_json: bool) -> None:
-    from tuichat.engine.loader import stderr_progress
     from tuichat.local import LocalBackend
 
     backend = LocalBackend(options, model)

@@ -13,7 +13,8 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tuichat import paths
 from tuichat.backend import EngineOptions, SamplingParams

@@ -14,8 +14,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from dataclasses import dataclass, fields
+from collections.abc import AsyncIterator, Sequence
 
 from tuichat import catalog
 from tuichat.backend import (
@@ -26,6 +26,7 @@ from tuichat.backend import (
     ModelInfo,
     ProgressCallback,
     SamplingParams,
+    ServingOptions,
     StreamEvent,
     Usage,
 )
@@ -107,9 +108,9 @@ def next_prompt(tokenizer, previous: _Conversation | None, messages: Sequence[Me
 
 
 class LocalBackend:
-    def __init__(self, options: EngineOptions = EngineOptions(), default_model: str = catalog.EMBEDDED_ALIAS,
+    def __init__(self, options: EngineOptions | None = None, default_model: str = catalog.EMBEDDED_ALIAS,
                  extra_models: Sequence[str] = ()) -> None:
-        self.options = options
+        self.options = options or EngineOptions()
         self.default_model = default_model
         self.extra_models = list(extra_models)
         self._loaded: dict[str, _Loaded] = {}
@@ -154,17 +155,8 @@ class LocalBackend:
             dtype = loader.resolve_dtype(self.options.dtype, device, family)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
-            config = EngineConfig(
-                quant=self.options.quant,
-                quant_cache=quant_cache,
-                quant_source=loader.checkpoint_dir(resolved),
-                kv_cache_mb=self.options.kv_cache_mb,
-                max_batched_tokens=self.options.max_batched_tokens,
-                max_num_seqs=self.options.max_num_seqs,
-                batching=self.options.batching,
-                prefix_cache=self.options.prefix_cache,
-                tp=self.options.tp,
-            )
+            serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
+            config = EngineConfig(**serving, quant_cache=quant_cache, quant_source=loader.checkpoint_dir(resolved))
             import torch
 
             from tuichat.engine import cpu_kernel, native

@@ -12,19 +12,25 @@ import os
 import stat
 from pathlib import Path
 
-from platformdirs import user_cache_dir, user_config_dir, user_data_dir
+from platformdirs import user_config_dir, user_data_dir
+
+# The cache is the engine's (its kernels and quantized weights); converted models join it.
+from tuichat.engine.storage import cache_dir, cache_location
+
+__all__ = ["cache_dir", "config_dir", "data_dir", "location", "open_private", "private_dir", "write_private"]
 
 APP = "tuichat"
 PRIVATE_FILE = 0o600
 _LOCATIONS = {
     "config": ("TUICHAT_CONFIG_DIR", user_config_dir),
     "data": ("TUICHAT_DATA_DIR", user_data_dir),
-    "cache": ("TUICHAT_CACHE_DIR", user_cache_dir),
 }
 
 
 def location(kind: str) -> Path:
     """The folder for `kind` (config, data, cache), without creating it."""
+    if kind == "cache":
+        return cache_location()
     env, default = _LOCATIONS[kind]
     return Path(os.environ.get(env) or default(APP))
 
@@ -72,7 +78,3 @@ def data_dir() -> Path:
     """history.sqlite3, exports/ and locks/: private."""
     return private_dir(location("data"))
 
-
-def cache_dir() -> Path:
-    """Converted models (models/)."""
-    return _dir("cache")

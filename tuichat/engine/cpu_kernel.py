@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tuichat.paths import cache_dir
+from tuichat.engine.storage import cache_dir
 
 MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
 _SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "vector_linear.c", "decoder.c")]

@@ -12,38 +12,31 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine import attention, cpu_kernel, families, native, quant
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
-from tuichat.engine.kv_cache import BlockManager, KVCache, ModelShape
+from tuichat.engine.families import ModelShape
+from tuichat.engine.kv_cache import BlockManager, KVCache
 from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
+from tuichat.engine.types import EngineError, SamplingParams, ServingOptions
 
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ServingOptions):
+    """The user's ServingOptions and what only the engine's owner (LocalBackend, a test) sets."""
+
     block_size: int = 16  # small blocks: a chat's prefix hits end at most 15 tokens short
-    kv_cache_mb: int | None = None  # None: 512 MiB on CPU, 40 % of free GPU memory on CUDA
     num_blocks: int | None = None  # overrides kv_cache_mb (tests use tiny pools)
-    max_batched_tokens: int | None = None  # None: 512 on CPU (a chunk ~0.5 s), 8192 on CUDA
-    max_num_seqs: int = 64
-    batching: str = "continuous"
-    prefix_cache: bool = True
-    tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes this engine starts
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
-    # Where the C layers run: auto serves a GGUF's linears in its own blocks (a dense model in its dtype), none
-    # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own blocks
-    # stay). Elsewhere the model serves in its dtype and `weights` says why.
-    quant: str = "auto"
     quant_cache: Path | None = None  # the file caching a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
     quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
 
@@ -79,19 +72,19 @@ class Engine:
     def __init__(
         self, model, tokenizer=None, config: EngineConfig = EngineConfig(), name: str = "model", source=None
     ) -> None:
-        """`source` (a catalog.ResolvedModel) lets tensor-parallel workers load their own copy of the weights."""
+        """`source` (a types.ResolvedModel) lets tensor-parallel workers load their own copy of the weights."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
         if config.quant not in ("auto", "none", *quant.QUANT_FORMATS):
-            raise BackendError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
+            raise EngineError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         text_config = families.text_config(model.config)
         what = f"{name} ({getattr(text_config, 'model_type', 'unknown')})"
         if (why := families.unsupported(model.config)) is not None:
-            raise BackendError(f"tuichat cannot run {what}: {why}.")
+            raise EngineError(f"tuichat cannot run {what}: {why}.")
         self.max_model_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         shape = ModelShape.of(model.config)
         self.attention = self._inspect_attention(model, shape, what)
@@ -180,9 +173,9 @@ class Engine:
             model.set_attn_implementation(attention.register())
             found = attention.inspect(model, shape.layers)
         except (attention.UnsupportedAttention, ValueError) as exc:
-            raise BackendError(f"tuichat cannot run {what} faithfully: {exc}.") from None
+            raise EngineError(f"tuichat cannot run {what} faithfully: {exc}.") from None
         if (found.heads, found.kv_heads, found.head_dim) != (shape.heads, shape.kv_heads, shape.head_dim):
-            raise BackendError(
+            raise EngineError(
                 f"tuichat cannot run {what} faithfully: its attention runs {found.heads} heads over {found.kv_heads} "
                 f"KV heads of size {found.head_dim}, but its config says {shape.heads} over {shape.kv_heads} of "
                 f"{shape.head_dim}."
@@ -213,7 +206,6 @@ class Engine:
 
     def _why_no_c_layers(self, model, kernel) -> str | None:
         """Why decoder.c will not run this model, as far as it shows before the linears are fused (None: it may)."""
-        family = families.text_config(model.config).model_type
         if self.device.type != "cpu":
             return f"they run on a CPU, not {self.device.type}"
         if self.dtype is not torch.bfloat16:
@@ -226,9 +218,7 @@ class Engine:
             return f"not with tensor parallelism (tp {self.config.tp})"
         if getattr(model, "hf_device_map", None):
             return "not with a device map"
-        if family not in native.SUPPORTED_MODEL_TYPES:
-            return f"{family} layers are not implemented in C"
-        return None
+        return native.family_reason(model.config)
 
     def _check_serving_path(self, what: str) -> None:
         """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that
@@ -246,7 +236,7 @@ class Engine:
         error = float((logits[0] - want).abs().max() / want.abs().max().clamp_min(1e-6))
         # Rounding alone: float32 differs in the last bits (~1e-6); bf16 steps by ~1 % of the range.
         if error > (1e-4 if self.dtype is torch.float32 else 0.05):
-            raise BackendError(
+            raise EngineError(
                 f"tuichat cannot run {what} faithfully: served in pieces through its KV cache, it does not reproduce "
                 f"its own plain forward (off by {error:.0%} of the logit range). It may keep state outside attention."
             )
@@ -268,22 +258,22 @@ class Engine:
 
     # -- public API (thread-safe) ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int]) -> None:
-        """Raise BackendError for a prompt that can never run, before anything is queued."""
+        """Raise EngineError for a prompt that can never run, before anything is queued."""
         if not prompt_ids:
-            raise BackendError("The prompt is empty.")
+            raise EngineError("The prompt is empty.")
         if len(prompt_ids) >= self.max_model_len:
-            raise BackendError(
+            raise EngineError(
                 f"The prompt is {len(prompt_ids)} tokens long; {self.name} takes at most {self.max_model_len - 1}."
             )
         if len(prompt_ids) + 1 > self.capacity_tokens:
-            raise BackendError(
+            raise EngineError(
                 f"The prompt is {len(prompt_ids)} tokens long, but the whole KV cache holds {self.capacity_tokens}. "
                 "Raise the engine's kv_cache_mb or start a new conversation."
             )
         vocab = self.model.get_input_embeddings().num_embeddings
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise BackendError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
+            raise EngineError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None] | None = None
@@ -292,9 +282,9 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, on_output)
         with self._lock:  # against close(): nothing may enter the inbox after the thread drained it for good
             if self._closed:
-                raise BackendError(f"The engine for {self.name} was shut down; load the model again.")
+                raise EngineError(f"The engine for {self.name} was shut down; load the model again.")
             if self.broken is not None:
-                raise BackendError(self.broken)
+                raise EngineError(self.broken)
             self._inbox.put(("add", seq))
             self._spawn()
         self._wake.set()

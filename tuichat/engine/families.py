@@ -1,4 +1,6 @@
-"""The model families tuichat serves: those whose greedy output its conformance matrix (tests/test_families.py)
+"""What the engine knows of a model from its config alone: whether tuichat serves its family, and its shape.
+
+The model families tuichat serves are those whose greedy output its conformance matrix (tests/test_families.py)
 proves identical to transformers' `generate` under batching, chunking, prefix caching and preemption. Any other
 family is refused by name before its weights load, even one that might work: a family nobody checked is one
 that may say something else than the model would.
@@ -8,6 +10,8 @@ variants of a listed family (a Qwen2 config with sliding windows, say) and what 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 VERIFIED = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
@@ -34,3 +38,28 @@ def unsupported(config) -> str | None:
     if other:
         return f"it has {', '.join(other)} layers, which tuichat's paged attention does not compute"
     return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine's cache and kernels need to know of a model's config."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        text = text_config(config)
+        heads = text.num_attention_heads
+        return cls(
+            layers=text.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+        )

@@ -141,31 +141,6 @@ class BlockManager:
             seq.num_hashed_blocks += 1
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the engine's cache and kernels need to know of a model's config."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-
-    @classmethod
-    def of(cls, config) -> "ModelShape":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        return cls(
-            layers=text.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            hidden=text.hidden_size,
-            intermediate=text.intermediate_size,
-        )
-
-
 class KVCache:
     """The K/V tensors: per layer [num_blocks * block_size, kv_heads, head_dim], addressed by slot."""
 

@@ -17,7 +17,8 @@ import torch
 from tuichat.engine import quant
 from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
 from tuichat.engine.attention import ModelAttention
-from tuichat.engine.kv_cache import KVCache, ModelShape
+from tuichat.engine.families import ModelShape, text_config
+from tuichat.engine.kv_cache import KVCache
 from tuichat.engine.quant import PackedWeight
 from tuichat.engine.runner import flatten
 
@@ -26,17 +27,24 @@ from tuichat.engine.runner import flatten
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+def family_reason(config) -> str | None:
+    """Why decoder.c can't run a model of this config's family (None: it may), before any weight is looked at."""
+    config = text_config(config)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"{config.model_type} layers are not implemented in C"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    return None
+
+
 def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttention) -> str | None:
     """Why decoder.c can't run this model (None: it can). Expects speed_up_linears to have run; `attention` is
     what attention.inspect found."""
     if kernel is None:
         return "no CPU kernels"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    shape = ModelShape.of(config)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"{config.model_type} layers are not implemented in C"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act}"
+    shape = ModelShape.of(model.config)
+    if (why := family_reason(model.config)) is not None:
+        return why
     if any(layer.window is not None for layer in attention.layers):
         return "sliding-window layers"
     if any(layer.softcap is not None for layer in attention.layers):
@@ -128,18 +136,18 @@ class NativeDecoder:
         qkv, cache = (s.heads + 2 * s.kv_heads) * s.head_dim, (self.num_blocks * block_size, s.kv_heads, s.head_dim)
         self.weights: list[PackedWeight] = []  # what each step reads, in decoder.c's order (and the lm_head)
         addresses = []
+
+        def linear(i: int, names: list[str], bf16) -> PackedWeight:
+            parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
+            joined = PackedWeight.cat(parts) if all(parts) else None
+            return joined or PackedWeight.of(bf16.weight)
+
         for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
-
-            def linear(names: list[str], bf16) -> PackedWeight:
-                parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
-                joined = PackedWeight.cat(parts) if all(parts) else None
-                return joined or PackedWeight.of(bf16.weight)
-
-            weights = [linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], attn.fused_q_k_v),
-                       linear(["self_attn.o_proj"], attn.o_proj),
-                       linear(["mlp.gate_proj", "mlp.up_proj"], mlp.fused_gate_up),
-                       linear(["mlp.down_proj"], mlp.down_proj)]
+            weights = [linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], attn.fused_q_k_v),
+                       linear(i, ["self_attn.o_proj"], attn.o_proj),
+                       linear(i, ["mlp.gate_proj", "mlp.up_proj"], mlp.fused_gate_up),
+                       linear(i, ["mlp.down_proj"], mlp.down_proj)]
             for weight, shape in zip(weights, [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim),
                                                (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]):
                 _check_weight(weight, shape, f"layer {i}")

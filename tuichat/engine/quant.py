@@ -21,7 +21,7 @@ import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class PackedWeight:
     in_features: int
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> "PackedWeight":
+    def of(cls, weight: torch.Tensor) -> PackedWeight:
         return cls(weight.contiguous(), BF16, weight.shape[0], weight.shape[1])
 
     @property
@@ -63,7 +63,7 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
     @staticmethod
-    def cat(parts: list["PackedWeight"]) -> "PackedWeight | None":
+    def cat(parts: list[PackedWeight]) -> PackedWeight | None:
         """Parts stacked by rows (q, k and v into one linear), or None if their formats differ."""
         if len({p.format for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
             return None

@@ -6,9 +6,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
-from tuichat.backend import SamplingParams, Usage
+from tuichat.engine.types import SamplingParams, Usage
 
 
 class Status(enum.Enum):

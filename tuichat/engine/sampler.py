@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tuichat.backend import SamplingParams
+from tuichat.engine.types import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from functools import partial
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 from textual import work
@@ -118,7 +118,7 @@ class TuichatApp(App[None]):
         backend_factory: Callable[[], Backend],
         config: Config,
         store: Store,
-        warnings: list[str] = [],
+        warnings: Sequence[str] = (),
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

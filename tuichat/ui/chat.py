@@ -3,7 +3,8 @@ on screen. What the app provides comes in a TabServices; the store and the backe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from textual.content import Content
 from textual.css.query import NoMatches

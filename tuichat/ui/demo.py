@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from tuichat import paths
 from tuichat.backend import (

@@ -12,7 +12,7 @@ tab shows, so the pause between paints is not fixed: it follows the UI thread's 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class PaintPacer:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable, Sequence
 
 from tuichat.backend import BackendError, Message, SamplingParams, Usage
 

@@ -1,0 +1,101 @@
+"""The layout's rules, read off the source. Data flows keypress → UI → Backend → LocalBackend → Engine (README's
+"Where things are"); every import must run along that map, never against it: the engine stands alone, the UI
+never reaches the engine or torch, and what the front ends share with the engine is its torch-free vocabulary
+(tuichat.engine.types, and the cache root in tuichat.engine.storage). And the code passes the linter, as configured in pyproject.toml."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tuichat"
+HEAVY = ("torch", "transformers", "accelerate", "numpy", "gguf", "safetensors")
+# What the front ends may know of the engine: its types, and the cache root they share (neither imports torch).
+VOCABULARY = ("tuichat.engine", "tuichat.engine.types", "tuichat.engine.storage")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function (absolute names; tuichat uses no relative
+    imports, which this also checks)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module)
+            # `from tuichat.engine import loader` imports the module tuichat.engine.loader.
+            names.update(f"{node.module}.{alias.name}" for alias in node.names if node.module.startswith("tuichat"))
+    return names
+
+
+MODULES = {module_name(path): imported(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def existing(name: str) -> bool:
+    """A tuichat module (not a name imported from one, like tuichat.engine.types.SamplingParams)."""
+    return name in MODULES
+
+
+def violations(rule) -> list[str]:
+    return [f"{module} imports {name}" for module, names in MODULES.items() for name in sorted(names)
+            if rule(module, name)]
+
+
+def test_the_map_finds_the_layers():
+    """The rules below see the modules they are about (a rename must not leave them checking nothing)."""
+    for module in ("tuichat.engine.engine", "tuichat.engine.types", "tuichat.ui.app", "tuichat.ui.chat",
+                   "tuichat.backend", "tuichat.local", "tuichat.store", "tuichat.cli"):
+        assert module in MODULES, module
+    assert "tuichat.engine.engine" in MODULES["tuichat.local"]
+
+
+def test_the_engine_stands_alone():
+    """It imports nothing of the UI, the store, the backends, the catalog or the bench: tuichat/engine alone runs."""
+    assert violations(lambda m, n: within(m, "tuichat.engine") and within(n, "tuichat")
+                      and not within(n, "tuichat.engine")) == []
+
+
+def test_the_ui_never_imports_the_engine_or_torch():
+    """The UI talks to an engine only through the Backend protocol (tuichat.backend), and paints before torch
+    could have loaded."""
+    assert violations(lambda m, n: within(m, "tuichat.ui") and (
+        within(n, *HEAVY, "tuichat.engine", "tuichat.local", "tuichat.bench"))) == []
+
+
+def test_the_shared_modules_know_only_the_engines_vocabulary():
+    """The protocol, the store, the config and the catalog are imported by the UI: of the engine they may know
+    its types, never its machinery, and nothing heavy."""
+    shared = ("tuichat.backend", "tuichat.store", "tuichat.config", "tuichat.catalog", "tuichat.paths",
+              "tuichat.locks", "tuichat.themes", "tuichat.cli")
+    assert violations(lambda m, n: m in shared and (
+        within(n, *HEAVY) or (within(n, "tuichat.engine") and existing(n) and n not in VOCABULARY))) == []
+
+
+def test_only_the_local_backend_and_the_benchs_peers_reach_into_the_engine():
+    """Every front end drives the engine through a Backend; LocalBackend is the one that builds an Engine. The
+    bench also loads the model with the engine's loader for transformers' own generate (its peers)."""
+    allowed = ("tuichat.engine", "tuichat.local", "tuichat.bench")
+    assert violations(lambda m, n: not within(m, *allowed) and within(n, "tuichat.engine") and existing(n)
+                      and n not in VOCABULARY) == []
+
+
+def test_the_code_passes_the_linter():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff is not None, "ruff is in the test extras: ./setup.sh installs it"
+    result = subprocess.run([ruff, "check", "--no-cache", "tuichat", "tests", "scripts"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

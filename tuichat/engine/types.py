@@ -1,0 +1,108 @@
+"""The engine's vocabulary, which the front ends speak too: what a request asks for (SamplingParams), what it
+reports (Usage), what to load (ResolvedModel) and how to serve it (ServingOptions), and the error whose
+message is for the user. The engine owns these so that it stands alone; tuichat.backend re-exports them for
+the front ends. No torch here: the TUI imports this at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+from collections.abc import Callable
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+ProgressCallback = Callable[[str, float | None], None]  # (what is happening, fraction done or None)
+
+
+class EngineError(Exception):
+    """A problem the user can act on (unknown model, prompt too long, ...). Its message is shown as is."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Every front end builds its params here, and the sampler trusts them: top_p 0, for one, would give
+        # NaN probabilities and a reply of invisible tokens. bool is an int subclass, never a number here.
+        def number(value) -> bool:
+            return type(value) in (int, float) and math.isfinite(value)
+
+        def whole(value) -> bool:
+            return type(value) is int
+
+        problems = []
+        if not (number(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature must be a number ≥ 0 (0 is greedy), not {self.temperature!r}")
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be a number above 0 and at most 1 (1 is off), not {self.top_p!r}")
+        if not (whole(self.top_k) and self.top_k >= 0):
+            problems.append(f"top_k must be a whole number ≥ 0 (0 is off), not {self.top_k!r}")
+        if not (whole(self.max_tokens) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be a whole number ≥ 1, not {self.max_tokens!r}")
+        # torch's generators take a seed of 64 bits.
+        if self.seed is not None and not (whole(self.seed) and 0 <= self.seed < 2**64):
+            problems.append(f"seed must be a whole number from 0 to 2**64 - 1, or unset, not {self.seed!r}")
+        if not (isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)):
+            problems.append(f"stop must be a tuple of strings, not {self.stop!r}")
+        if problems:
+            raise EngineError("; ".join(problems) + ".")
+
+
+@dataclass
+class Usage:
+    """Per-request metrics, in vLLM's vocabulary. Times are milliseconds."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int = 0
+    queue_ms: float | None = None  # submitted -> first scheduled
+    ttft_ms: float | None = None  # submitted -> first non-empty text
+    itl_ms: list[float] = field(default_factory=list)  # gaps between text chunks
+    e2e_ms: float | None = None
+    finish_reason: FinishReason | None = None
+    finish_detail: str | None = None  # why a reply ended early at "length": a full KV cache, the context length
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed after the first token (TPOT inverted)."""
+        if self.e2e_ms is None or self.ttft_ms is None or self.completion_tokens < 2:
+            return None
+        decode_s = (self.e2e_ms - self.ttft_ms) / 1000
+        return (self.completion_tokens - 1) / decode_s if decode_s > 0 else None
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model spec resolved (tuichat.catalog) to something the loader can open."""
+
+    name: str  # canonical name shown to the user
+    kind: Literal["gguf", "local", "hub"]
+    source: str  # .gguf path, local folder, or hub id
+    converted_dir: Path | None = None  # where a .gguf's conversion is cached
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the engine serves a model, as a user sets it (tuichat.backend.EngineOptions adds where and in which
+    dtype it loads; the engine's EngineConfig adds what only the engine and its tests set)."""
+
+    kv_cache_mb: int | None = None  # None: 512 MiB on CPU, 40 % of free GPU memory on CUDA
+    batching: Literal["continuous", "static", "off"] = "continuous"
+    prefix_cache: bool = True
+    max_batched_tokens: int | None = None  # per-step token budget; None: 512 on CPU (a chunk ~0.5 s), 8192 on CUDA
+    max_num_seqs: int = 64
+    tp: int = 1  # tensor-parallel ranks; ranks 1.. are worker processes the engine starts
+    # Where the C layers run: auto serves a GGUF's linears in its own blocks (a dense model in its dtype), none
+    # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own
+    # blocks stay). Elsewhere the model serves in its dtype and the engine's `weights` says why.
+    quant: Literal["auto", "none", "int8", "int4"] = "auto"
