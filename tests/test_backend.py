@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from conftest import until
+from tests.helpers import until
 from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
 from tuichat.local import LocalBackend
 

@@ -179,7 +179,7 @@ def test_transformers_progress_switch_is_restored_after_a_load(tmp_path):
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging as hf_logging
 
-    from tests.conftest import make_tiny
+    from tests.helpers import make_tiny
     from tuichat.catalog import resolve
     from tuichat.engine import loader
 

@@ -10,10 +10,9 @@ from tuichat.backend import BackendError, EngineOptions, SamplingParams
 from tuichat.config import DEFAULT_CONFIG_TOML, Config, config_path, load_config
 
 
-@pytest.fixture(autouse=True)
-def config_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "config"))
-    return tmp_path / "config"
+@pytest.fixture
+def config_dir(user_dirs):
+    return user_dirs.config
 
 
 def load(tmp_path, text):

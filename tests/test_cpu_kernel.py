@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import CPU_BUILDS, make_tiny
+from tests.helpers import CPU_BUILDS, make_tiny
 from tuichat.engine import cpu_kernel
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mode, until
+from tests.helpers import mode, until
 from fake_backend import FakeBackend
 from tuichat import locks as locks_module
 from tuichat.config import Config

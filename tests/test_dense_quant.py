@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
+from tests.helpers import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
                       teacher_forced_error)
 from tuichat.backend import BackendError, EngineOptions
 from tuichat.engine import quant

@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from conftest import hf_greedy
+from tests.helpers import hf_greedy
 from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
@@ -20,7 +20,7 @@ QUESTION = [Message("user", "Name three primary colors.")]
 
 
 def test_conversion_is_cached_and_reused(embedded, session_cache):
-    from conftest import CONVERSION_STAGES
+    from tests.helpers import CONVERSION_STAGES
 
     resolved, *_ = embedded
     # The first load converted, with visible progress through every stage.
@@ -183,11 +183,9 @@ def test_ask_bad_input_is_one_clear_line(embedded, args, message):
     assert "Traceback" not in result.output
 
 
-def test_models_lists_embedded_and_config_models(embedded, tmp_path, monkeypatch):
-    config_dir = tmp_path / "config"
-    config_dir.mkdir(exist_ok=True)
-    (config_dir / "config.toml").write_text('models = ["someorg/some-model"]\n')
-    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(config_dir))
+def test_models_lists_embedded_and_config_models(embedded, user_dirs):
+    user_dirs.config.mkdir(exist_ok=True)
+    (user_dirs.config / "config.toml").write_text('models = ["someorg/some-model"]\n')
     result = run_cli("models")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import hf_greedy, make_tiny
+from tests.helpers import hf_greedy, make_tiny
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status

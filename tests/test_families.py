@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
+from tests.helpers import hf_greedy
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine import families
 from tuichat.engine.engine import Engine, EngineConfig

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import hf_greedy, make_tiny
+from tests.helpers import hf_greedy, make_tiny
 from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
 from tuichat.engine import engine as engine_module
 from tuichat.engine.engine import Engine, EngineConfig

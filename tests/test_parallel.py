@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import hf_greedy, make_tiny
+from tests.helpers import hf_greedy, make_tiny, wait_until
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.catalog import resolve
 from tuichat.engine.engine import Engine, EngineConfig
@@ -151,13 +151,6 @@ def test_tp2_preemption_and_cancel_work_unchanged(tiny_source):
         assert victim.finish_reason == "cancelled" and engine.blocks.num_used == 0
     finally:
         engine.close()
-
-
-def wait_until(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_rank_0_failure_mid_forward_stops_the_workers_and_later_submits_fail_fast(tiny_source, monkeypatch):

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
+from tests.helpers import hf_greedy
 from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.local import LocalBackend
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import mode
+from tests.helpers import mode
 from tuichat.store import SCHEMA_VERSION, Store, StoreError
 
 
@@ -31,11 +31,10 @@ def chat(store, title, *turns, model="m"):
     return conversation
 
 
-def test_default_location_is_the_data_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TUICHAT_DATA_DIR", str(tmp_path / "data"))
+def test_default_location_is_the_data_dir(user_dirs):
     store = Store()
     store.close()
-    assert store.path == tmp_path / "data" / "history.sqlite3" and store.path.exists()
+    assert store.path == user_dirs.data / "history.sqlite3" and store.path.exists()
 
 
 def with_wal(path):

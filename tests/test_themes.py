@@ -8,7 +8,7 @@ from textual.color import Color
 from textual.theme import Theme
 from textual.widgets import Button, Footer, Input, Markdown, TextArea
 
-from conftest import until
+from tests.helpers import until
 from tuichat.themes import bundled_themes_dir, load_themes, theme_from_dict, user_themes_dir
 
 CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "themes"
@@ -125,9 +125,8 @@ def test_a_user_theme_replaces_the_bundled_one_of_the_same_name(tmp_path):
     assert [t.primary for t in themes if t.name == "tuichat-dark"] == ["#ff00ff"]
 
 
-def test_default_user_folder_is_in_the_config_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TUICHAT_CONFIG_DIR", str(tmp_path / "cfg"))
-    assert user_themes_dir() == tmp_path / "cfg" / "themes"
+def test_default_user_folder_is_in_the_config_dir(user_dirs):
+    assert user_themes_dir() == user_dirs.config / "themes"
     write(user_themes_dir(), "mine.toml", 'name = "mine"\nprimary = "red"\n')
     assert "mine" in [t.name for t in load_themes()[0]]
 

@@ -14,7 +14,7 @@ import pytest
 from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend, VirtualClock
-from tests.waiting import until
+from tests.helpers import until
 from tuichat.backend import EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store

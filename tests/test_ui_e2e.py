@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from tests.waiting import until
+from tests.helpers import until
 from tuichat.backend import EngineOptions, SamplingParams
 from tuichat.config import Config
 from tuichat.local import LocalBackend

@@ -12,7 +12,7 @@ from textual import events
 from textual.widgets import TextArea
 
 from tests.fake_backend import FakeBackend
-from tests.waiting import until
+from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp

@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_ui import make_app, send
 from tests.fake_backend import FakeBackend
-from tests.waiting import until
+from tests.helpers import until
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.widgets import TtftMeter
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from tests.fake_backend import FakeBackend, VirtualClock
-from tests.waiting import until
+from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp

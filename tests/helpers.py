@@ -1,0 +1,162 @@
+"""What tests share besides fixtures (conftest.py): waiting for a condition, tiny models, reference decodes,
+the packed engines' prompts and measures. Imported as `from tests.helpers import ...`, the one way."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import stat
+import time
+from pathlib import Path
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def until(condition, what: str = "condition", timeout: float = 10.0) -> None:
+    """Wait for the condition a test is about to assert, never for a time: poll `condition()` every 10 ms of the
+    loop (asyncio.sleep, not pilot.pause, which forces a full screen refresh each time); fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def wait_until(condition, what: str = "condition", timeout: float = 30.0) -> None:
+    """until() for a test that waits on other threads or processes outside an event loop."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# tuichat's CPU kernels as built for this CPU, for Zen 4-like CPUs (AVX-512 with BF16, no AMX) and for most
+# laptops (AVX2): each -march value with the CPU flags it needs to run here.
+CPU_BUILDS = {"native": set(), "cooperlake": {"avx512f", "avx512_bf16"}, "haswell": {"avx2", "fma"}}
+
+
+TINY = {
+    "llama": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "qwen2": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+}
+
+
+def make_tiny(arch: str = "llama", seed: int = 0):
+    """A random-weight model (float32, eval) plus an identical twin with its own config object: the engine
+    switches its model to paged attention, and models built from one config object would share that."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(**TINY[arch], eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    reference = model_cls(copy.deepcopy(config)).eval()
+    model = model_cls(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return model, reference
+
+
+def cache_contents(cache: Path):
+    """(metadata, {name: tensor}) of a packed-weights cache file (quant.packed_weights')."""
+    from safetensors import safe_open
+
+    with safe_open(str(cache), "pt") as file:  # clone: get_tensor gives views of the mapped file
+        return file.metadata(), {name: file.get_tensor(name).clone() for name in file.keys()}
+
+
+# Token prompts for the packed-weights engines (test_gguf_engine, test_dense_quant): a long, a short, a third
+# that is a prefix of the first and the second's end.
+PROMPTS = [[(7 * i + 3) % 300 + 5 for i in range(40)], [200, 7, 7, 31, 90, 4, 18], list(range(100, 121))]
+
+
+def greedy(engine, prompts: list[list[int]], tokens: int = 10) -> list[list[int]]:
+    from tuichat.backend import SamplingParams
+
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
+    return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def float32_continuations(reference, tokens: int = 12):
+    """(each of PROMPTS with the float32 model's greedy continuation, float32's logits along them), by a loop
+    of full forwards (quicker than generate here)."""
+    import torch
+
+    sequences = []
+    with torch.inference_mode():
+        for sequence in map(list, PROMPTS):
+            for _ in range(tokens):
+                sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+            sequences.append(sequence)
+        want = torch.cat([reference(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, PROMPTS)])
+    return sequences, want
+
+
+def teacher_forced_error(served, sequences, want):
+    """(per row, the engine's largest logit error as a share of float32's logit range; the share of rows whose
+    argmax is float32's), the engine fed `sequences` as float32 wrote them: each prompt in one chunk, then one
+    decode step per token."""
+    import torch
+
+    from tuichat.engine.runner import StepChunk
+
+    rows = []
+    for sequence, prompt in zip(sequences, PROMPTS):
+        start, table = len(prompt), list(range(served.blocks.blocks_for(len(sequence))))
+        rows.append(served.runner.execute([StepChunk(sequence[:start], 0, table, True)]))
+        rows += [served.runner.execute([StepChunk([sequence[i]], i, table, True)]) for i in range(start, len(sequence) - 1)]
+    got = torch.cat(rows)
+    spread = want.amax(dim=1) - want.amin(dim=1)
+    return (got - want).abs().amax(dim=1) / spread, float((got.argmax(dim=1) == want.argmax(dim=1)).float().mean())
+
+
+def replies_independent_of_batching(make_engine) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy replies, token for token, whether a prompt runs alone in chunks of 64, in chunks of a 10-token
+    budget sharing steps with other prompts' decodes, or from the prefix cache. Returns (the prompts, their
+    replies alone); the fourth prompt is 600 tokens long."""
+    from tuichat.backend import SamplingParams
+    from tuichat.engine.request import Status
+
+    long_prompt = [(11 * i) % 300 + 7 for i in range(600)]
+    prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2], long_prompt]
+    alone = make_engine(prefix_cache=False, max_batched_tokens=64)
+    expected = [greedy(alone, [p])[0] for p in prompts]
+    alone.close()
+
+    busy = make_engine(max_batched_tokens=10)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    seqs = [busy.submit(prompts[0], params)]
+    busy.step()
+    seqs += [busy.submit(p, params) for p in prompts[1:3]]
+    batch_sizes = []
+    while any(s.status is not Status.FINISHED for s in seqs):
+        busy.step()
+        batch_sizes.append(busy.last_batch_size)
+    assert max(batch_sizes) == 3
+    assert [s.token_ids[len(p):] for s, p in zip(seqs, prompts)] == expected[:3]
+    # The third prompt is a prefix of the first: served from the prefix cache, its reply is the same.
+    cached = busy.generate([prompts[2]], params)[0]
+    assert cached.num_cached_tokens > 0 and cached.token_ids[len(prompts[2]):] == expected[2]
+    busy.close()
+    return prompts, expected
+
+
+CONVERSION_STAGES: list[tuple[str, float | None]] = []  # what the session's one GGUF conversion reported
+
+
+def hf_greedy(reference, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """Plain transformers greedy decoding: the ground truth the engine must match token for token."""
+    import torch
+
+    out = reference.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids):].tolist()
