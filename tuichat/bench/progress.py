@@ -4,61 +4,64 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from contextlib import contextmanager
+from typing import Iterator, TextIO
+
+import rich.progress
+from rich.console import Console
 
 
 class Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
+    """rich's progress bar on a terminal, redrawn in place; one plain line per step otherwise (a log keeps every
+    step, with no control codes). Redrawn only when a step starts or ends: a refresh thread would take the GIL
+    from the engine's thread in the middle of a measurement."""
 
     def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.total = max(total, 1)
         self.done = 0
-        self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.started = time.perf_counter()
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.label = ""
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        fraction = min(self.done / self.total, 1.0)
-        elapsed = time.perf_counter() - self.started
-        clock = f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
-        if self.tty:
-            width = 24
-            filled = round(width * fraction)
-            bar = "█" * filled + "░" * (width - filled)
-            self.stream.write(f"\r\033[K[bench] {bar} {fraction:4.0%} {clock}  {self.label}")
-        else:
-            self.stream.write(f"[bench {self.done}/{self.total} {fraction:4.0%} {clock}] {self.label}\n")
-        self.stream.flush()
+        self.console = Console(file=stream if stream is not None else sys.stderr, markup=False, highlight=False,
+                               emoji=False)
+        self.tty = enabled and self.console.is_terminal
+        self.bar: rich.progress.Progress | None = None
 
     def start(self, label: str) -> None:
-        self.label = label
-        self._draw()
+        if not self.enabled:
+            return
+        if not self.tty:
+            elapsed = time.perf_counter() - self.started
+            self.console.print(f"[bench {self.done}/{self.total} {min(self.done / self.total, 1.0):4.0%} "
+                               f"{int(elapsed // 60)}:{int(elapsed % 60):02d}] {label}", soft_wrap=True)
+            return
+        if self.bar is None:  # started with the first step: nothing to stop if the run fails before it
+            # stdout stays the report's (and --json's) alone; stray stderr lines print above the bar.
+            self.bar = rich.progress.Progress(
+                rich.progress.TextColumn("[bench]", markup=False), rich.progress.BarColumn(bar_width=24),
+                rich.progress.TaskProgressColumn(), rich.progress.TimeElapsedColumn(),
+                rich.progress.TextColumn("{task.description}", markup=False),
+                console=self.console, auto_refresh=False, redirect_stdout=False,
+            )
+            self.task = self.bar.add_task(label, total=self.total)
+            self.bar.start()
+        else:
+            self.bar.update(self.task, description=label, refresh=True)
 
     def advance(self) -> None:
         self.done += 1
-        if self.tty:
-            self._draw()
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, refresh=True)
 
-    def step(self, label: str):
-        progress = self
-
-        class _Step:
-            def __enter__(self):
-                progress.start(label)
-
-            def __exit__(self, *exc):
-                progress.advance()
-                return False
-
-        return _Step()
+    @contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        self.start(label)
+        try:
+            yield
+        finally:
+            self.advance()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            self.label = "done"
-            self._draw()
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.update(self.task, description="done")
+            self.bar.stop()  # drawn once more, left on screen
+            self.bar = None
