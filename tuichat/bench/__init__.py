@@ -16,7 +16,7 @@ from tuichat.bench.floor import measure_bandwidth, step_floor
 from tuichat.bench.peers.hf import HFPeer
 from tuichat.bench.peers.llama_server import LlamaServerPeer, find_llama_server
 from tuichat.bench.progress import Progress
-from tuichat.bench.report import check_plot_available, plot, render, skipped_notes, targets
+from tuichat.bench.report import check_plot_available, plot, render, skipped_notes, targets, write
 from tuichat.bench.scenarios import ENGINE_THREAD, run_bench
 from tuichat.bench.settings import MODES, PEERS, SCENARIOS, BenchSettings, parse_list, plan
 from tuichat.bench.stats import RequestResult, percentile, summarize
@@ -41,12 +41,8 @@ def main(settings: BenchSettings, as_json: bool = False, plot_path: str | None =
         plot(result, plot_path)
         result["plot"] = plot_path
     if as_json:
-        out.write(json.dumps(result, default=str) + "\n")
+        out.write(json.dumps(result, default=str) + "\n")  # never through rich: pure JSON
     else:
-        out.write(render(result) + "\n")
-        for note in skipped_notes(result):
-            out.write(f"note: {note}\n")
-        if plot_path:
-            out.write(f"plot: {plot_path}\n")
+        write(result, out, plot_path)
     out.flush()
     return result
