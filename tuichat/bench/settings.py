@@ -47,9 +47,9 @@ class BenchSettings:
 
     @classmethod
     def make(cls, quick: bool = False, **overrides: Any) -> "BenchSettings":
-        # Quick keeps tabs' full reply cap: with 24-token replies and 100 ms arrivals, a tab lived ~0.4 s of the
-        # 0.7 s arrival window, fewer than half the tabs overlapped, and tok/s measured the arrival schedule
-        # more than batching. The one-at-a-time peer, slow at that length, runs two prompts instead.
+        # Quick keeps tabs' full reply cap: a short reply ends before the later tabs arrive, so few tabs overlap
+        # and tok/s measures the arrival schedule more than batching. The one-at-a-time peer, slow at that
+        # length, runs two prompts instead.
         base = dict(turns=4, single_tokens=32, turn_tokens=48, single_prompts=3, sequential_peer_prompts=2,
                     multiturn_peer=False, bandwidth_mb=256) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})

@@ -159,8 +159,8 @@ class HFPeer:
             self._warmup("generate_batch")
         from transformers import ContinuousBatchingConfig
 
-        # Left alone, it sizes its KV cache to 90 % of free memory (host RAM on a CPU: ~20 GB here, ~15 s to
-        # allocate per call). Give it what the workload needs and the engine's per-step token budget.
+        # Left alone, it sizes its KV cache to 90 % of free memory (host RAM on a CPU), allocated on every call.
+        # Give it what the workload needs and the engine's per-step token budget.
         cb = ContinuousBatchingConfig()
         cb.num_blocks = math.ceil(sum(len(p) + max_tokens for p in prompts) / cb.page_size) + len(prompts)
         cb.max_batch_tokens = self.max_batched_tokens
