@@ -3,6 +3,7 @@ lengths, cache accounting, ordering of percentiles, rendering, CLI wiring): neve
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -17,8 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from tuichat import bench
-from tuichat.backend import BackendError
+from tuichat.backend import BackendError, Message
+from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
+from tuichat.local import chat_ids
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
             probes=1, stagger_ms=200, bandwidth_mb=16)
@@ -75,14 +78,14 @@ def run(embedded, session_cache):
 
     for owner, name in TORCH_WORK:
         mp.setattr(owner, name, recorded(getattr(owner, name)))
-    mp.setattr(bench, "measure_bandwidth", recorded(bench.measure_bandwidth))
-    tuichat_run = bench._Tuichat.run
+    mp.setattr(bench.scenarios, "measure_bandwidth", recorded(bench.measure_bandwidth))  # where the run looks it up
+    tuichat_run = _Tuichat.run
 
     def checking_run(self, *args):
         threads["alive_while_tuichat_runs"] += [t for t in threads["torch"] if t.is_alive()]
         return tuichat_run(self, *args)
 
-    mp.setattr(bench._Tuichat, "run", checking_run)
+    mp.setattr(_Tuichat, "run", checking_run)
     try:
         settings = bench.BenchSettings.make(True, peers=FAST_PEERS + ("llama_cpp",), **TINY)
         err = io.StringIO()
@@ -221,7 +224,7 @@ def test_llama_server_peer_on_loopback(embedded, session_cache, monkeypatch):
     assert result["versions"]["llama_server"] and "llama_cpp" in bench.render(result)
 
     resolved, _, _, tokenizer = embedded
-    prompt = bench.chat_ids(tokenizer, [bench.Message("user", bench.SINGLE_QUESTIONS[0])])
+    prompt = chat_ids(tokenizer, [Message("user", bench.SINGLE_QUESTIONS[0])])
     reference = bench.LlamaServerPeer(LLAMA_SERVER, resolved.source, torch.get_num_threads(), settings.tabs,
                                       settings.llama_slot_ctx, prompt[:8])
     try:
@@ -371,7 +374,7 @@ def test_cli_bench_rejects_bad_input_in_one_line(embedded, monkeypatch):
     bad = runner.invoke(main, ["bench", "--scenarios", "single,warp"])
     assert bad.exit_code == 2 and "Unknown scenario" in bad.stderr and "Traceback" not in bad.output
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else object())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else object())
     no_plot = runner.invoke(main, ["bench", "--plot", "out.png", "--scenarios", "single"])
     assert no_plot.exit_code == 2 and "pip install 'tuichat[plot]'" in no_plot.stderr
 
@@ -391,7 +394,7 @@ def test_batching_peers_get_the_tabs_arrivals(embedded, session_cache, monkeypat
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
     resolved, _, _, tokenizer = embedded
     peer = bench.HFPeer(resolved, torch.device("cpu"), torch.float32)
-    prompts = [bench.chat_ids(tokenizer, [bench.Message("user", q)]) for q in bench.QUESTIONS[:3]]
+    prompts = [chat_ids(tokenizer, [Message("user", q)]) for q in bench.QUESTIONS[:3]]
     stagger = 0.3
     try:
         results, wall = peer.static_batch(prompts, 2, stagger_s=stagger)

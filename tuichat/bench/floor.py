@@ -1,0 +1,29 @@
+"""The floor: the bytes a decode step reads (tuichat's quantized weights; transformers' dense ones) / the
+measured memory bandwidth."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of a few torch sums over one large buffer."""
+    import torch
+
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        buffer.sum().item()
+        best = min(best, time.perf_counter() - start)
+    size = buffer.numel() * 4
+    del buffer
+    return size / best
+
+
+def step_floor(weights: str, weight_bytes: int, bandwidth: float) -> dict[str, Any]:
+    step_ms = weight_bytes / bandwidth * 1000
+    return {"weights": weights, "weight_bytes": weight_bytes, "decode_step_ms": step_ms, "decode_tokens_per_s": 1000 / step_ms}
