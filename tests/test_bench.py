@@ -397,16 +397,18 @@ def test_batching_peers_get_the_tabs_arrivals(embedded, session_cache, monkeypat
     prompts = [chat_ids(tokenizer, [Message("user", q)]) for q in bench.QUESTIONS[:3]]
     stagger = 0.3
     try:
+        # (No bound on how fast: a sleep may overrun on a busy machine, never end early.)
         results, wall = peer.static_batch(prompts, 2, stagger_s=stagger)
         assert wall >= 2 * stagger
         arrivals = [r.submitted for r in results]
-        assert all(b - a == pytest.approx(stagger, abs=0.02) for a, b in zip(arrivals, arrivals[1:]))
-        # All rows get their first token in the same step: the first arrival waited two staggers longer.
-        assert results[0].ttft_ms - results[2].ttft_ms == pytest.approx(2 * stagger * 1000, abs=20)
+        assert all(b - a >= stagger - 0.005 for a, b in zip(arrivals, arrivals[1:]))
+        # All rows get their first token in the same step: the first arrival waited for the last.
+        assert results[0].ttft_ms - results[2].ttft_ms == pytest.approx((arrivals[2] - arrivals[0]) * 1000, abs=1)
+        waited = results[0].ttft_ms
         results, wall = peer.generate_batch(prompts, 2, stagger_s=stagger)
         arrivals = sorted(r.submitted for r in results)
-        assert all(b - a >= stagger - 0.02 for a, b in zip(arrivals, arrivals[1:]))
+        assert all(b - a >= stagger - 0.005 for a, b in zip(arrivals, arrivals[1:]))
         first = min(results, key=lambda r: r.submitted)
-        assert wall >= 2 * stagger and first.ttft_ms < 2 * stagger * 1000  # it began before the last arrival
+        assert wall >= 2 * stagger and first.ttft_ms < waited  # it did not wait for the last arrival
     finally:
         peer.close()

@@ -27,7 +27,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable, Sequence
 
 from tuichat import catalog
 from tuichat.backend import BackendError, Message, SamplingParams
@@ -218,7 +219,7 @@ class _Run:
                         **summarize(*llama.tabs(prompts, s.tab_tokens, stagger)),
                         "note": f"llama-server with {s.tabs} parallel slots, each tab on its own connection"})
         ours = modes["continuous"]
-        for name, peer in list(modes.items()) + list(peers.items()):
+        for peer in list(modes.values()) + list(peers.values()):
             peer["tuichat_over"] = ratio(ours["tokens_per_s"], peer.get("tokens_per_s"))
         return {
             "tabs": s.tabs,

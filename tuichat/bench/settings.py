@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tuichat import catalog
 from tuichat.backend import BackendError, EngineOptions
@@ -46,7 +47,7 @@ class BenchSettings:
     llama_server: str | None = None  # the binary; else $TUICHAT_LLAMA_SERVER, else llama-server on PATH
 
     @classmethod
-    def make(cls, quick: bool = False, **overrides: Any) -> "BenchSettings":
+    def make(cls, quick: bool = False, **overrides: Any) -> BenchSettings:
         # Quick keeps tabs' full reply cap: a short reply ends before the later tabs arrive, so few tabs overlap
         # and tok/s measures the arrival schedule more than batching. The one-at-a-time peer, slow at that
         # length, runs two prompts instead.

@@ -98,60 +98,7 @@ class Engine:
         # offloads some to the CPU or disk and computes them on its execution device.
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
                           self.attention.devices)
-        if config.tp > 1:
-            from tuichat.engine import parallel
-
-            parallel.check_shardable(model.config, config.tp)  # before spawning anything
-            workers, plan_group, pipes = parallel.start_workers(dict(
-                resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
-                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
-                head_dim=head_dim, num_layers=num_layers,
-            ))
-            parallel.shard_model(model, 0, config.tp)
-            self.runner = parallel.TensorParallelRunner(
-                model, self.kv, config.block_size, self.device, workers, plan_group, pipes
-            )
-        else:
-            self.runner = ModelRunner(model, self.kv, config.block_size, self.device)
-        # Which kernels short steps use, for the stats panel and the bench.
-        self.matmul = "torch"
-        self.layers = "transformers"
-        self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kernel = None
-        if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
-            kernel, self.matmul = cpu_kernel.load()
-        packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
-        if config.fast_linears:  # after sharding: the fused weights are the rank's slices
-            # transformers' layers take our linear only where it beat torch's at every row count measured:
-            # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
-            speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
-            if kernel is not None and config.tp == 1:
-                why_not = native.unsupported_reason(model, kernel, self.attention)
-                if why_not is None:
-                    try:
-                        self._use_decoder(native.NativeDecoder(model, self.kv, config.block_size, kernel))
-                    except ValueError as exc:
-                        why_not = str(exc)
-                if why_not is not None:
-                    self.layers = f"transformers ({why_not})"
-        try:
-            # With the model's own weights: what it checks is the model's structure. Packed weights are the
-            # kernels' business (tested apart), and their int8 inputs move the logits by more than rounding.
-            self._check_serving_path(what)
-        except BaseException:
-            if hasattr(self.runner, "close"):
-                self.runner.close()  # tensor-parallel workers must not outlive a refused model
-            raise
-        if packed and self.layers == "C":
-            # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
-            self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
-            decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel, packed, exact)
-            self._use_decoder(decoder)
-            _drop_bf16_copies(model, "lm_head" in packed, decoder.embedding is not None)
-        elif config.quant in quant.QUANT_FORMATS:  # asked for, not served: say why, never silently
-            why = unpacked or self.layers.partition(" (")[2].removesuffix(")") or "no linear of this model fits them"
-            self.weights += f" ({config.quant} needs the C layers: {why})"
+        self.runner = self._choose_forward(model, source, what, num_blocks, kv_heads)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -182,8 +129,69 @@ class Engine:
             )
         return found
 
-    def _use_decoder(self, decoder: native.NativeDecoder) -> None:
-        self.runner.native = decoder
+    def _choose_forward(self, model, source, what: str, num_blocks: int, kv_heads: int):
+        """The one choice of what runs a step, made once and checked before the engine serves: tensor-parallel
+        ranks, or decoder.c over packed (a GGUF's, --quant's) or bf16 weights, or transformers' modules (with
+        our linears where they win). Sets the labels the stats panel and the bench show (matmul, layers,
+        weights); returns the runner."""
+        config, shape = self.config, ModelShape.of(model.config)
+        self.matmul = "torch"
+        self.layers = "transformers"
+        self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        runner = None
+        if config.tp > 1:
+            from tuichat.engine import parallel
+
+            parallel.check_shardable(model.config, config.tp)  # before spawning anything
+            workers, plan_group, pipes = parallel.start_workers(dict(
+                resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
+                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
+                head_dim=shape.head_dim, num_layers=shape.layers,
+            ))
+            parallel.shard_model(model, 0, config.tp)
+            runner = parallel.TensorParallelRunner(model, self.kv, config.block_size, self.device, workers, plan_group, pipes)
+        kernel = None
+        if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
+            kernel, self.matmul = cpu_kernel.load()
+        packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
+        decoder = None
+        if config.fast_linears:  # after sharding: the fused weights are the rank's slices
+            # transformers' layers take our linear only where it beat torch's at every row count measured:
+            # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
+            speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
+            if kernel is not None and runner is None:
+                why_not = native.unsupported_reason(model, kernel, self.attention)
+                if why_not is None:
+                    try:
+                        decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel)
+                        self._label(decoder)
+                    except ValueError as exc:
+                        why_not = str(exc)
+                if why_not is not None:
+                    self.layers = f"transformers ({why_not})"
+        runner = runner or ModelRunner(model, self.kv, config.block_size, self.device, decoder)
+        try:
+            # With the model's own weights: what it checks is the model's structure. Packed weights are the
+            # kernels' business (tested apart), and their int8 inputs move the logits by more than rounding.
+            self._check_serving_path(runner, what)
+        except BaseException:
+            if hasattr(runner, "close"):
+                runner.close()  # tensor-parallel workers must not outlive a refused model
+            raise
+        if packed and decoder is not None:
+            # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
+            self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
+            decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel, packed, exact)
+            self._label(decoder)
+            _drop_bf16_copies(model, "lm_head" in packed, decoder.embedding is not None)
+            runner = ModelRunner(model, self.kv, config.block_size, self.device, decoder)
+        elif config.quant in quant.QUANT_FORMATS:  # asked for, not served: say why, never silently
+            why = unpacked or self.layers.partition(" (")[2].removesuffix(")") or "no linear of this model fits them"
+            self.weights += f" ({config.quant} needs the C layers: {why})"
+        return runner
+
+    def _label(self, decoder: native.NativeDecoder) -> None:
         self.layers = "C"
         self.weights = decoder.formats
         self.weight_bytes = decoder.weight_bytes
@@ -220,7 +228,7 @@ class Engine:
             return "not with a device map"
         return native.family_reason(model.config)
 
-    def _check_serving_path(self, what: str) -> None:
+    def _check_serving_path(self, runner, what: str) -> None:
         """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that
         reads it back from the cache, a decode. The last logits must be the probe's plain forward's. This is
         where what attention cannot show surfaces: state kept outside the KV cache (a recurrent or state-space
@@ -231,7 +239,7 @@ class Engine:
             return  # a pool this small is a test's; nothing is served from it anyway
         cuts = [0, len(ids) - 3, len(ids) - 1, len(ids)]
         for a, b in zip(cuts, cuts[1:]):
-            logits = self.runner.execute([StepChunk(ids[a:b], a, table, b == len(ids))])
+            logits = runner.execute([StepChunk(ids[a:b], a, table, b == len(ids))])
         want = self.attention.logits.to(logits.device)
         error = float((logits[0] - want).abs().max() / want.abs().max().clamp_min(1e-6))
         # Rounding alone: float32 differs in the last bits (~1e-6); bf16 steps by ~1 % of the range.

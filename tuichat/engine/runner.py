@@ -51,12 +51,12 @@ def flatten(chunks: list[StepChunk]) -> tuple[list[int], list[int], list[int]]:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device) -> None:
+    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device, native=None) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = device
-        self.native = None  # a native.NativeDecoder, which then runs the steps it accepts
+        self.native = native  # a native.NativeDecoder (Engine._choose_forward's): it runs the steps it accepts
 
     def _slots(self, block_table: list[int], start: int, stop: int) -> list[int]:
         bs = self.block_size

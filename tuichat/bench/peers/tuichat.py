@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from tuichat.backend import BackendError, Message, SamplingParams
 from tuichat.bench.corpus import WARMUP_QUESTION
@@ -52,7 +53,7 @@ class _Tuichat:
         self.model = settings.model
         self.kernels: dict[str, str] = {}
 
-    def __enter__(self) -> "_Tuichat":
+    def __enter__(self) -> _Tuichat:
         self.name = asyncio.run(self.backend.load(self.model))  # on a thread that ends with the load
         stats = self.backend.stats(self.name)
         self.kernels = {"decode_matmul": stats.matmul, "decode_layers": stats.layers}
