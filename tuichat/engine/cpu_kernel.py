@@ -4,10 +4,9 @@ layers built on it (decoder.c, driven by native.py). Compiled on first use, on t
 and loaded with ctypes only if it is still those bytes, ours, and writable by no one else; else rebuilt.
 
 Why kernels of our own: a decode step is bound by reading the weights once, and for a few rows torch's CPU
-kernels (bf16 gemv, oneDNN's brgemm) read them at 9–13 GB/s on a 2-core Sapphire Rapids, where the AMX one,
-prefetching the next weight rows while the tiles multiply, reads at ~21 GB/s (all of SmolLM2-135M's
-linears: 12 ms at 8 rows against torch's 25); and the rest of a step through transformers' modules is some
-1,600 small torch ops. Only the C compiler is needed, no torch headers: building takes a few seconds, once.
+kernels (bf16 gemv, oneDNN's brgemm) read them at well under the memory's bandwidth, where ours, prefetching
+the next weight rows while the tiles multiply, come close to it (README: `scripts/matmul_bench.py`); and the
+rest of a step through transformers' modules is some 1,600 small torch ops. Only the C compiler is needed, no torch headers: building takes a few seconds, once.
 Without a compiler, or with TUICHAT_CPU_KERNELS=0, the engine keeps transformers' layers and torch's
 kernels; TUICHAT_CPU_ARCH=haswell (any -march value) builds for another instruction set.
 """

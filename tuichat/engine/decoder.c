@@ -2,8 +2,9 @@
  * in bf16 (or, with weights in a GGUF's blocks, fp32 over an f16 cache: see rms_norm_f32); built with the
  * linears (amx_linear.c or vector_linear.c) and driven by native.py.
  *
- * Why: with the matmuls in our AMX kernel, a decode step through transformers' modules still spent ~10 ms of
- * ~28 in some 1,600 small torch ops and their Python: norms, rotary, casts, gathers, adds. Here a layer is
+ * Why: with the matmuls in our own kernels, a decode step through transformers' modules still spent about a
+ * third of its time in some 1,600 small torch ops and their Python: norms, rotary, casts, gathers, adds
+ * (README has the measurements). Here a layer is
  * eight passes over a few rows. The arithmetic mirrors transformers' bf16 code: every place where torch
  * rounds an intermediate to bf16, this code rounds too, so the two differ only in the order of fp32 sums.
  *

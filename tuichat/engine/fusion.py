@@ -6,9 +6,8 @@ At decode time a CPU step is dominated by per-call matmul overhead rather than b
   names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
   the same tensor; the first call computes all of them, the others take their slice.
 - For models decoder.c does not cover, a step's rows go through the AMX linear of cpu_kernel.py when the
-  model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: on
-  this CPU torch's bf16 gemv reads the weights about twice as fast as its gemm does for M=1 (lm_head: 4.2
-  vs 8.4 ms, one thread).
+  model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: torch's
+  bf16 gemv reads the weights about twice as fast as its gemm does for one row.
 """
 
 from __future__ import annotations

@@ -34,13 +34,11 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")
 # --quant for a dense checkpoint: (the blocks its decoder linears are quantized to, the lm_head's), groups of 32
 # weights each. int4 is Q4_1 (a scale and a minimum per block: 20 bytes) rather than Q4_0 (a scale, levels
-# symmetric around 0: 18 bytes), for 11 % more bytes: a block's weights are seldom symmetric, and Q4_0 spends
-# levels on the side they do not reach. Its error is the smaller on every measure taken: of the weights'
-# RMS, 7.8 % against 8.6 % on Gaussian weights and 9.0 % against 11.1 % on the embedded model's embedding;
-# teacher-forced, a mean 6.3 % of the logit range against 6.9 % (tests/test_dense_quant.py's tiny model), and
-# 96.4 % argmax agreement with float32 against 75.7 % on the embedded model (scripts/fidelity.py; flattering
-# Q4_1, as those weights were a Q4_1 GGUF's). int4's lm_head stays Q8_0, as llama.cpp keeps its output tensor
-# at 6 or 8 bits for its 4-bit types: in Q4_1 the embedded model's agreement falls to 86.7 %, for 12 MB less.
+# symmetric around 0: 18 bytes), for two bytes more a block: a block's weights are seldom symmetric, and Q4_0
+# spends levels on the side they do not reach. Its error was the smaller on every measure taken (the weights'
+# RMS error, teacher-forced logits, argmax agreement with float32: README). int4's lm_head stays Q8_0, as
+# llama.cpp keeps its output tensor at 6 or 8 bits for its 4-bit types: a 4-bit one cost far more agreement
+# than its bytes save.
 QUANT_FORMATS = {"int8": (8, 8), "int4": (3, 8)}
 
 
