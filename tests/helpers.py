@@ -160,3 +160,10 @@ def hf_greedy(reference, prompt_ids: list[int], max_new_tokens: int, eos_token_i
         pad_token_id=0,
     )
     return out[0, len(prompt_ids):].tolist()
+
+
+def template_ids(tokenizer, messages) -> list[int]:
+    """transformers' own chat template, tokenized by transformers: what a plain `generate` user would run."""
+    out = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)

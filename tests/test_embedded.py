@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, template_ids
 from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
@@ -67,13 +67,6 @@ def test_stop_matcher_never_shows_a_stop_string():
     assert shown == [("Hello ", False), ("", False), ("", True)]
     matcher = StopMatcher(("STOP",))
     assert matcher.feed("a ST")[0] == "a " and matcher.feed("ar")[0] == "STar" and matcher.flush() == ""
-
-
-def template_ids(tokenizer, messages) -> list[int]:
-    """transformers' own chat template, tokenized by transformers: what a plain `generate` user would run."""
-    out = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def test_multi_turn_conversation_hits_the_cache_and_matches_generate(embedded):

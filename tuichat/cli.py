@@ -219,6 +219,36 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
 
 
 @main.command()
+@click.option("--model", "-m", default=None, help="Model served when a request names none (default: the config's).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="TUICHAT_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1/ [$TUICHAT_API_KEY].")
+@click.option("--insecure-no-auth", is_flag=True, help="Listen beyond loopback without an API key.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@engine_options
+@click.pass_context
+def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine_flags):
+    """Serve the engine behind an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics).
+
+    Every client's requests are batched together and share the prefix cache, as tabs do.
+    """
+    from tuichat.server import is_loopback, serve as run_server
+
+    if not is_loopback(host) and api_key is None and not insecure_no_auth:
+        _fail(f"--host {host} listens beyond this machine: set --api-key (or TUICHAT_API_KEY), or pass "
+              "--insecure-no-auth to serve anyone who can reach it.")
+    config, _ = _load_config()
+    model = model or ctx.obj.get("model") or config.model
+    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    from tuichat.local import LocalBackend
+
+    backend = LocalBackend(options, model, config.models)
+    run_server(backend, model, host, port, api_key, config.sampling, log_level)
+
+
+@main.command()
 def models() -> None:
     """List the models tuichat can open."""
     from tuichat.config import load_config

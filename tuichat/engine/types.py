@@ -20,6 +20,10 @@ class EngineError(Exception):
     """A problem the user can act on (unknown model, prompt too long, ...). Its message is shown as is."""
 
 
+class ModelNotFound(EngineError):
+    """The model asked for is nowhere to be found (a server answers 404)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""

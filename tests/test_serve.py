@@ -1,0 +1,244 @@
+"""`tuichat serve` as a user runs it: a real subprocess on a loopback port, with the embedded model in float32
+(exact: its greedy replies must be transformers' own), driven by the official `openai` client and by raw
+HTTP for the SSE framing; its /metrics read by prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import hf_greedy, template_ids, wait_until
+from tuichat.backend import Message
+
+KEY = "sk-tuichat-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(embedded, session_cache, tmp_path_factory):
+    """The server, ready (its /health answers once the model is loaded), always stopped; its base URL."""
+    home = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    env = {**os.environ, "TUICHAT_CACHE_DIR": str(session_cache), "TUICHAT_CONFIG_DIR": str(home / "config"),
+           "TUICHAT_DATA_DIR": str(home / "data"), "HF_HUB_OFFLINE": "1"}
+    log = open(home / "serve.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--api-key", KEY,
+                                "--dtype", "float32"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert process.poll() is None, f"tuichat serve exited:\n{(home / 'serve.log').read_text()}"
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, "tuichat serve to load its model", timeout=180)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+
+def expected_reply(embedded, question: str, max_tokens: int) -> tuple[str, int]:
+    """transformers' greedy reply to one user message (its own chat template), and the prompt's length."""
+    _, _, reference, tokenizer = embedded
+    prompt = template_ids(tokenizer, [Message("user", question)])
+    ids = hf_greedy(reference, prompt, max_tokens, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(ids, skip_special_tokens=True), len(prompt)
+
+
+def metrics(base: str) -> dict[str, float]:
+    """{sample name with its labels: value} of /metrics, as Prometheus reads it."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_greedy_replies_are_transformers_own_streamed_or_not(server, embedded):
+    question = "What is 2 + 2? Answer in one sentence."
+    text, prompt_tokens = expected_reply(embedded, question, 24)
+
+    async def main():
+        api = client(server)
+        whole = await api.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=24,
+                                                  messages=[{"role": "user", "content": question}])
+        stream = await api.chat.completions.create(
+            model="smollm2-135m", temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": [{"type": "text", "text": question}]}])
+        chunks = [chunk async for chunk in stream]
+        await api.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens
+    # Streamed: the role first, the same text in deltas, the finish, then the usage chunk with no choices.
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens
+    # The same prompt again: the prefix cache held it, and usage says so.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_sse_framing_is_openais(server):
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(p["object"] == "chat.completion.chunk" and p["id"] == payloads[0]["id"] for p in payloads)
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length") and payloads[-1]["choices"][0]["delta"] == {}
+    assert all(p["choices"][0]["finish_reason"] is None for p in payloads[:-1])
+
+
+def test_the_api_key_is_required_on_v1_only(server):
+    async def main():
+        api = client(server, key="wrong")
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await api.models.list()
+        await api.close()
+        return caught.value
+
+    error = asyncio.run(main())
+    assert error.status_code == 401 and error.body["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/health").status_code == 200  # a load balancer's probe needs no key
+
+
+def test_models_lists_the_embedded_model(server):
+    async def main():
+        api = client(server)
+        listed = await api.models.list()
+        await api.close()
+        return [m.id for m in listed.data]
+
+    assert "smollm2-135m" in asyncio.run(main())
+
+
+@pytest.mark.parametrize("change, status, param", [
+    ({"n": 2}, 400, "n"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "no-such-model"}, 404, "model"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"messages": []}, 400, "messages"),
+    ({"max_tokens": "many"}, 400, "max_tokens"),
+    ({"temperature": -1}, 400, None),
+])
+def test_bad_requests_get_openais_error_shape_and_the_server_keeps_serving(server, change, status, param):
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2, **change}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+    good = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2}
+    ok = httpx.post(f"{server}/v1/chat/completions", json=good, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_malformed_json_is_a_400(server):
+    response = httpx.post(f"{server}/v1/chat/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_own_greedy_reply(server, embedded):
+    questions = ["Name a fruit.", "Name a colour.", "What is a cat?", "Say something kind."]
+    expected = [expected_reply(embedded, q, 16)[0] for q in questions]
+    seen_running = []
+
+    async def main():
+        api = client(server)
+
+        async def ask(question: str) -> str:
+            reply = await api.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=16,
+                                                      messages=[{"role": "user", "content": question}])
+            return reply.choices[0].message.content
+
+        tasks = [asyncio.create_task(ask(q)) for q in questions * 2]
+        async with httpx.AsyncClient() as http:
+            while not all(t.done() for t in tasks):
+                text = (await http.get(f"{server}/metrics")).text
+                for family in text_string_to_metric_families(text):
+                    if family.name == "tuichat:num_requests_running":
+                        seen_running.append(max(s.value for s in family.samples))
+                await asyncio.sleep(0.02)
+        replies = [await t for t in tasks]
+        await api.close()
+        return replies
+
+    assert asyncio.run(main()) == expected * 2
+    assert max(seen_running) > 1  # several HTTP clients ran in one batch
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(server):
+    """Closed after three chunks of a reply allowed 4,000 tokens: the engine stops it and frees its blocks, long
+    before such a reply could have finished."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 4000,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):  # three chunks and the blank lines between them
+            next(lines)
+        assert metrics(server)["tuichat:num_requests_running{}"] == 1
+    wait_until(lambda: metrics(server)["tuichat:num_requests_running{}"] == 0, "the request to be cancelled", timeout=30)
+    assert metrics(server)["tuichat:kv_cache_usage_perc{}"] == 0
+
+
+def test_metrics_count_every_finished_request(server):
+    before = metrics(server)
+    for _ in range(2):
+        httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3})
+    after = metrics(server)
+    count = "tuichat:time_to_first_token_seconds_count{}"
+    assert after[count] - before.get(count, 0) == 2
+    tokens = "tuichat:generation_tokens_total{}"
+    assert after[tokens] - before.get(tokens, 0) == 6
+    assert after["tuichat:prefix_cache_hits_total{}"] <= after["tuichat:prefix_cache_queries_total{}"]
+
+
+def test_it_will_not_listen_beyond_loopback_without_a_key(tmp_path):
+    """Refused before anything loads, with what to do instead."""
+    env = {**os.environ, "TUICHAT_CONFIG_DIR": str(tmp_path / "config"), "TUICHAT_DATA_DIR": str(tmp_path / "data")}
+    env.pop("TUICHAT_API_KEY", None)
+    result = subprocess.run([sys.executable, "-m", "tuichat", "serve", "--host", "0.0.0.0"], env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "--api-key" in result.stderr and "--insecure-no-auth" in result.stderr
+

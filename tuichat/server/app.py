@@ -1,0 +1,196 @@
+"""The FastAPI app of `tuichat serve`: the OpenAI API's chat completions, models, health and Prometheus metrics,
+over any Backend. Every HTTP client's request goes to the one backend, so they are batched together and
+share its prefix cache, as tabs do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tuichat.backend import Backend, BackendError, ModelNotFound, SamplingParams, StreamEvent, Usage
+from tuichat.server import schema
+from tuichat.server.metrics import ServerMetrics
+
+log = logging.getLogger("tuichat.serve")
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.body = status, schema.error_body(message, kind, param, code)
+
+
+def _error(exc: BackendError) -> ApiError:
+    if isinstance(exc, ModelNotFound):
+        return ApiError(404, str(exc), "model", "model_not_found")
+    return ApiError(400, str(exc))
+
+
+def create_app(backend: Backend, default_model: str, sampling: SamplingParams | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """`sampling`: what a request's omitted fields default to (the user's config, as `tuichat ask` has it)."""
+    sampling = sampling or SamplingParams()
+    metrics = ServerMetrics(lambda: backend.stats())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.load(default_model)  # ready before the first request: /health then means it
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="tuichat", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(where) or 'request'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "json_invalid":
+            message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        return JSONResponse(schema.error_body(message, param=".".join(where) or None), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(schema.error_body(str(exc.detail), code=str(exc.status_code)), exc.status_code)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        started = time.monotonic()
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(schema.error_body("Incorrect or missing API key: send Authorization: Bearer KEY.",
+                                                      code="invalid_api_key"), 401)
+        response = await call_next(request)
+        if request.url.path != "/v1/chat/completions":  # those log when their reply ends
+            log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
+                     (time.monotonic() - started) * 1000)
+        return response
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        listed = await asyncio.to_thread(backend.list_models)
+        return {"object": "list", "data": [{"id": m.spec, "object": "model", "created": 0, "owned_by": "tuichat"}
+                                           for m in listed]}
+
+    def params_of(body: schema.ChatRequest) -> SamplingParams:
+        if body.n != 1:
+            raise ApiError(400, f"n must be 1: tuichat writes one choice per request, not {body.n}.", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise ApiError(400, f"{name} is not supported yet: send 0 or leave it out.", name)
+        given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+                 "max_tokens": body.max_completion_tokens or body.max_tokens}
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            return replace(sampling, **{k: v for k, v in given.items() if v is not None}, stop=stop or sampling.stop)
+        except BackendError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        started = time.monotonic()
+        try:  # JSON whatever the content type says (curl -d sends a form's), validated as OpenAI's request
+            body = schema.ChatRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        params = params_of(body)
+        try:
+            model = await backend.load(body.model or default_model)
+        except BackendError as exc:
+            raise _error(exc) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # A stateless API: every request is its own conversation; its history still hits the prefix cache.
+        events = aiter(backend.stream(request_id, [m.message() for m in body.messages], params, model))
+        try:  # the first event, before any byte is sent: a bad prompt is an error status, not a broken stream
+            first = await anext(events)
+        except BackendError as exc:
+            await events.aclose()
+            raise _error(exc) from None
+
+        def done(usage: Usage, status: int = 200) -> None:
+            metrics.finished(model, usage)
+            log.info("POST /v1/chat/completions %d prompt %d cached %d completion %d ttft %s ms e2e %.0f ms", status,
+                     usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+                     "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}", (time.monotonic() - started) * 1000)
+
+        if not body.stream:
+            text, event = [], first
+            try:
+                while True:
+                    text.append(event.text)
+                    if event.finished:
+                        break
+                    event = await anext(events)
+            finally:
+                await events.aclose()
+            if event.error:
+                done(event.usage, 500)
+                raise ApiError(500, event.error, kind="server_error")
+            done(event.usage)
+            return schema.completion(request_id, model, "".join(text), event.usage)
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(request_id, model, first, events, include_usage, done),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+async def _sse(request_id: str, model: str, first: StreamEvent, events: AsyncIterator[StreamEvent],
+               include_usage: bool, done) -> AsyncIterator[str]:
+    """The reply as OpenAI streams it: a role chunk, content deltas, a finish chunk, the usage chunk if asked
+    for, [DONE]. A client gone mid-reply closes `events`, which cancels the request in the engine at once."""
+    created = int(time.time())
+
+    def data(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        yield data(schema.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
+        event = first
+        while True:
+            if event.text:
+                yield data(schema.chunk(request_id, model, created, {"content": event.text}))
+            if event.finished:
+                break
+            event = await anext(events)
+        if event.error:
+            done(event.usage, 500)
+            yield data(schema.error_body(event.error, "server_error"))
+        else:
+            done(event.usage)
+            yield data(schema.chunk(request_id, model, created, {}, schema.finish_reason(event.usage)))
+            if include_usage:
+                yield data(schema.chunk(request_id, model, created, None, usage=event.usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()
