@@ -142,3 +142,29 @@ def test_an_edited_reply_gets_the_templates_own_ids(model_folder):
         await backend.close()
 
     asyncio.run(conversation())
+
+
+def test_a_stateless_client_resending_its_history_as_text_keeps_the_real_ids(model_folder):
+    """As `tuichat serve` gets it: every turn a new conversation id and the whole history as text, the replies
+    as the client received them. The turn it continues is found by its text, and its real ids carried over:
+    re-tokenizing the replies would lose the cache's hit with every SentencePiece-style tokenizer here."""
+    kind, folder, _, tokenizer = model_folder
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=str(folder))
+    questions = ["the cat sat on a mat?", "and the birds sang songs about rivers?", "write a python loop"]
+
+    async def conversation():
+        messages: list[Message] = []
+        history: list[int] = []
+        for turn, question in enumerate(questions):
+            messages.append(Message("user", question))
+            events = [e async for e in backend.stream(f"request-{turn}", messages, SamplingParams(max_tokens=12))]
+            ids = backend.cached_token_ids(f"request-{turn}")
+            if turn:
+                carried = len(history) - (history[-1] == tokenizer.eos_token_id)
+                assert backend.reused_tokens(f"request-{turn}") == carried, f"{kind}: turn {turn + 1} lost its history"
+                assert events[-1].usage.cached_tokens >= len(history) - 16
+            history = ids
+            messages.append(Message("assistant", "".join(e.text for e in events)))
+        await backend.close()
+
+    asyncio.run(conversation())

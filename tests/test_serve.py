@@ -242,3 +242,28 @@ def test_it_will_not_listen_beyond_loopback_without_a_key(tmp_path):
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "--api-key" in result.stderr and "--insecure-no-auth" in result.stderr
 
+
+
+def test_a_stateless_client_resending_its_history_hits_the_cache_for_all_of_it(server):
+    """Eight turns, each re-sending the whole conversation as text (as every OpenAI client does): each turn's
+    cached_tokens covers the history (the last turn's prompt and reply) but for at most one block."""
+    questions = ["Name a fruit.", "Why is it sweet?", "Name another.", "Which is bigger?", "Name a vegetable.",
+                 "Is it green?", "Name a tree.", "Is it tall?"]
+
+    async def main():
+        api = client(server)
+        messages, usages = [], []
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            reply = await api.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
+                                                      messages=messages)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            usages.append(reply.usage)
+        await api.close()
+        return usages
+
+    usages = asyncio.run(main())
+    for before, turn in zip(usages, usages[1:]):
+        history = before.prompt_tokens + before.completion_tokens
+        assert turn.prompt_tokens > history
+        assert turn.prompt_tokens_details.cached_tokens >= history - 16 - 1, (before, turn)  # a block; the EOS

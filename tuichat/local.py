@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from collections.abc import AsyncIterator, Sequence
 
@@ -32,6 +33,9 @@ from tuichat.backend import (
 )
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
+# Conversations whose last turn's ids are kept for the next: every tab, and a server's recent requests (each
+# its own conversation); the least recently replied-to goes first.
+MAX_CONVERSATIONS = 512
 
 
 @dataclass
@@ -117,7 +121,7 @@ class LocalBackend:
         self._names: dict[str, str] = {}  # model spec -> canonical name
         self._load_lock = threading.Lock()  # one load at a time (they take seconds: held off the event loop)
         self._lease_lock = threading.Lock()  # _loaded and the leases: held for moments only
-        self._conversations: dict[str, _Conversation] = {}
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
         self._in_flight: dict[str, tuple[object, int]] = {}  # conversation -> (engine, request id)
 
     # -- models -----------------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ class LocalBackend:
             loaded = self._loaded.pop(name, None)
         if loaded is not None:
             loaded.engine.close()
-            self._conversations = {k: c for k, c in self._conversations.items() if c.model != name}
+            self._conversations = OrderedDict((k, c) for k, c in self._conversations.items() if c.model != name)
 
     def _evict_idle(self) -> None:
         """Make room for one more model: close the least recently used engines that no stream holds."""
@@ -217,11 +221,24 @@ class LocalBackend:
             rendered = chat_text(loaded.tokenizer, messages)
         except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
             raise BackendError(f"{name}'s chat template rejected the conversation: {exc}") from exc
-        previous = self._conversations.get(conversation_id)
+        previous = self._conversations.get(conversation_id) or self._continued(name, loaded, messages, rendered)
         if previous is not None and previous.model != name:
             previous = None
         ids, reused = next_prompt(loaded.tokenizer, previous, messages, rendered, loaded.engine.eos_ids)
         return rendered, ids, reused
+
+    def _continued(self, name: str, loaded: _Loaded, messages: Sequence[Message], rendered: str) -> _Conversation | None:
+        """The remembered turn that `messages` continue, for a client that sends its whole history as text each
+        turn under a new id (the OpenAI API is stateless): the latest turn whose prompt the new one starts with
+        and whose reply is the assistant message after it. Its real ids then keep the prefix cache's hit on
+        the reply, which re-tokenizing the reply's text could split otherwise."""
+        for turn in reversed(self._conversations.values()):
+            if (turn.model == name and turn.num_messages < len(messages) and rendered.startswith(turn.prompt_text)
+                    and messages[turn.num_messages].role == "assistant"):
+                reply = [i for i in turn.completion_ids if i not in loaded.engine.eos_ids]
+                if loaded.tokenizer.decode(reply, skip_special_tokens=True).strip() == messages[turn.num_messages].content.strip():
+                    return turn
+        return None
 
     # -- streaming ----------------------------------------------------------------------------------------
     async def stream(
@@ -257,6 +274,9 @@ class LocalBackend:
                 if self._in_flight.get(conversation_id, (None, None))[1] == seq.id:
                     del self._in_flight[conversation_id]
                 if seq.finish_reason != "error":
+                    self._conversations.pop(conversation_id, None)  # to the end: the most recent
+                    while len(self._conversations) >= MAX_CONVERSATIONS:
+                        self._conversations.popitem(last=False)
                     self._conversations[conversation_id] = _Conversation(
                         name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids, reused
                     )
