@@ -314,3 +314,36 @@ def test_prefix_hit_rate_is_live_while_requests_still_run():
     engine.step()
     assert second.status is Status.RUNNING
     assert engine.prefix_hit_rate == pytest.approx(32 / (41 + 41))
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.0, 0.0), (-0.5, 0.7)])
+def test_presence_and_frequency_penalties_are_openais_whatever_shares_the_batch(presence, frequency):
+    """Each greedy token is the argmax of the plain model's logits less OpenAI's penalties over the reply so
+    far, computed here from their definition; batched with an unpenalized row, which keeps its exact answer."""
+    import torch
+
+    model, reference = make_tiny("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=64))
+    prompt, other = prompts_of([9, 14])
+    penalized = SamplingParams(max_tokens=20, presence_penalty=presence, frequency_penalty=frequency)
+    seqs = [engine.submit(prompt, penalized), engine.submit(other, SamplingParams(max_tokens=20))]
+    while any(s.status is not Status.FINISHED for s in seqs):
+        engine.step()
+        assert engine.last_batch_size == 2 or any(s.status is Status.FINISHED for s in seqs)
+    reply = seqs[0].completion_ids
+    with torch.inference_mode():
+        for i, token in enumerate(reply):
+            logits = reference(torch.tensor([prompt + reply[:i]])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(reply[:i], dtype=torch.long), minlength=logits.shape[0]).float()
+            want = logits - frequency * counts - presence * (counts > 0).float()
+            assert token == int(want.argmax()), f"token {i}"
+    assert seqs[1].completion_ids == hf_greedy(reference, other, 20)
+    assert reply != hf_greedy(reference, prompt, 20)  # the penalties did change the reply
+    assert_free(engine)
+    engine.close()
+
+
+def test_penalties_out_of_openais_range_are_refused():
+    for value in (2.5, -3, float("nan")):
+        with pytest.raises(BackendError, match="penalty"):
+            SamplingParams(presence_penalty=value)

@@ -130,11 +130,16 @@ def paths() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=None)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=None)
+@click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=None,
+              help="Lower the logit of every token already in the reply (OpenAI's; 0 is off).")
+@click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=None,
+              help="Lower a token's logit by this times its count in the reply (OpenAI's; 0 is off).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
 @engine_options
 @click.pass_context
-def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed, stop, as_json, **engine_flags):
+def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed, presence_penalty, frequency_penalty,
+        stop, as_json, **engine_flags):
     """Answer PROMPT (`-` reads stdin), streaming the reply to stdout and stats to stderr."""
     from dataclasses import replace
 
@@ -147,7 +152,8 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     config, _ = _load_config()
     model = model or ctx.obj.get("model") or config.model
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
-    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     system = system if system is not None else config.system_prompt
     messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
     try:

@@ -69,6 +69,10 @@ DEFAULT_CONFIG_TOML = """\
 # seed = 1234
 # End the reply when one of these strings appears.
 # stop = ["\\nUser:"]
+# Lower the logits of tokens already in the reply (OpenAI's penalties, -2 to 2): presence once, frequency per
+# occurrence. 0: off, and greedy stays exact.
+# presence_penalty = 0.0
+# frequency_penalty = 0.0
 
 [engine]
 # auto | cpu | cuda | cuda:N (auto: a GPU when there is one)
@@ -151,6 +155,8 @@ _SAMPLING = {
     "max_tokens": _int(1),
     "seed": _int(0),
     "stop": _Rule(_STRINGS.expect, _STRINGS.ok, tuple),
+    "presence_penalty": _number("a number from -2 to 2", lambda v: -2 <= v <= 2),
+    "frequency_penalty": _number("a number from -2 to 2", lambda v: -2 <= v <= 2),
 }
 
 _ENGINE = {

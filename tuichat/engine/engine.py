@@ -390,13 +390,13 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling fails gets None and an error, the others a token."""
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.completion_ids for s in seqs])
         except Exception:
             pass
         tokens: list[int | None] = []
         for row, seq in enumerate(seqs):
             try:
-                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator])
+                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator], [seq.completion_ids])
             except Exception as exc:
                 self._fail(seq, exc)
                 tokens.append(None)

@@ -32,8 +32,20 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [N, vocab] float32. Returns one token id per row."""
+def penalize(logits: torch.Tensor, params: SamplingParams, reply: list[int]) -> torch.Tensor:
+    """One row's logits less its penalties for the tokens of its reply so far (OpenAI's definition)."""
+    if not reply or not (params.presence_penalty or params.frequency_penalty):
+        return logits
+    counts = torch.bincount(torch.tensor(reply, device=logits.device), minlength=logits.shape[-1])[: logits.shape[-1]]
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           replies: list[list[int]] | None = None) -> list[int]:
+    """logits: [N, vocab] float32; replies: each row's generated ids so far (for the penalties). Returns one
+    token id per row."""
+    if replies is not None and any(p.presence_penalty or p.frequency_penalty for p in params):
+        logits = torch.stack([penalize(row, p, reply) for row, p, reply in zip(logits, params, replies)])
     chosen = logits.argmax(dim=-1)
     for row, (p, generator) in enumerate(zip(params, generators)):
         if p.temperature > 0:

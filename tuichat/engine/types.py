@@ -34,6 +34,10 @@ class SamplingParams:
     max_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # OpenAI's: each logit less presence_penalty if its token is in the reply so far, and frequency_penalty
+    # times how often. 0 leaves the model's distribution (and greedy's exact answer) untouched.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Every front end builds its params here, and the sampler trusts them: top_p 0, for one, would give
@@ -56,6 +60,10 @@ class SamplingParams:
         # torch's generators take a seed of 64 bits.
         if self.seed is not None and not (whole(self.seed) and 0 <= self.seed < 2**64):
             problems.append(f"seed must be a whole number from 0 to 2**64 - 1, or unset, not {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (number(value) and -2 <= value <= 2):
+                problems.append(f"{name} must be a number from -2 to 2 (0 is off), not {value!r}")
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)):
             problems.append(f"stop must be a tuple of strings, not {self.stop!r}")
         if problems:

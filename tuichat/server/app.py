@@ -104,11 +104,9 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
     def params_of(body: schema.ChatRequest) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"n must be 1: tuichat writes one choice per request, not {body.n}.", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise ApiError(400, f"{name} is not supported yet: send 0 or leave it out.", name)
         given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                 "max_tokens": body.max_completion_tokens or body.max_tokens}
+                 "max_tokens": body.max_completion_tokens or body.max_tokens,
+                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             return replace(sampling, **{k: v for k, v in given.items() if v is not None}, stop=stop or sampling.stop)

@@ -47,8 +47,8 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
