@@ -13,7 +13,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-async def until(condition, what: str = "condition", timeout: float = 10.0) -> None:
+async def until(condition, what: str = "condition", *, timeout: float = 10.0) -> None:
     """Wait for the condition a test is about to assert, never for a time: poll `condition()` every 10 ms of the
     loop (asyncio.sleep, not pilot.pause, which forces a full screen refresh each time); fail naming `what`."""
     deadline = time.monotonic() + timeout
@@ -23,7 +23,7 @@ async def until(condition, what: str = "condition", timeout: float = 10.0) -> No
         await asyncio.sleep(0.01)
 
 
-def wait_until(condition, what: str = "condition", timeout: float = 30.0) -> None:
+def wait_until(condition, what: str = "condition", *, timeout: float = 30.0) -> None:
     """until() for a test that waits on other threads or processes outside an event loop."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -23,7 +23,7 @@ async def test_question_answered_by_the_embedded_model(embedded):
             tab.prompt.insert(question)
             await pilot.press("enter")
             await until(lambda: len(app.store.messages(tab.conversation_id)) == 2 * (turn + 1)
-                           and not tab.busy, 120, f"reply {turn + 1}")
+                           and not tab.busy, f"reply {turn + 1}", timeout=120)
             reply = app.store.messages(tab.conversation_id)[-1]
             assert reply.status == "done" and reply.content.strip()
             meter = str(tab.meter.query_one("#meter-text").render())
