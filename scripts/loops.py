@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tuichat.backend import EngineOptions, Message, SamplingParams  # noqa: E402
-from tuichat.local import LocalBackend  # noqa: E402
+from tuichat.backend import EngineOptions, Message, SamplingParams
+from tuichat.local import LocalBackend
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "Give me three tips for sleeping better.",

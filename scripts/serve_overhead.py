@@ -1,0 +1,121 @@
+"""What HTTP costs: the bench's tabs workload (8 conversations 100 ms apart, up to 64 tokens each) in process,
+through LocalBackend, then as 8 concurrent streaming clients of `tuichat serve` (the official openai client),
+on the same model and options.
+
+    python scripts/serve_overhead.py [--model smollm2-135m] [--tabs 8] [--rounds 3]
+
+Prints aggregate tok/s and TTFT p50/p90 of each way (the median over --rounds), and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+import openai
+
+from tuichat.backend import EngineOptions, Message, SamplingParams
+from tuichat.bench.corpus import QUESTIONS
+from tuichat.bench.peers.tuichat import run_tabs
+from tuichat.bench.stats import percentile
+from tuichat.local import LocalBackend
+
+TOKENS, STAGGER = 64, 0.1
+
+
+def summary(ttfts: list[float], tokens: int, wall: float) -> dict:
+    return {"tok_s": tokens / wall, "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9)}
+
+
+async def in_process(model: str, tabs: int, rounds: int) -> list[dict]:
+    backend = LocalBackend(EngineOptions(), model)
+    await backend.load(model)
+    params = SamplingParams(max_tokens=TOKENS)
+    out = []
+    for r in range(rounds + 1):  # the first round warms up
+        conversations = [[Message("user", QUESTIONS[i % len(QUESTIONS)])] for i in range(tabs)]
+        results, wall = await run_tabs(backend, conversations, params, STAGGER, tag=f"round{r}")
+        if r:
+            out.append(summary([x.ttft_ms for x in results], sum(x.tokens for x in results), wall))
+    await backend.close()
+    return out
+
+
+async def over_http(base: str, model: str, tabs: int, rounds: int) -> list[dict]:
+    api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+    async def tab(i: int, t0: float) -> tuple[float, int, float]:
+        await asyncio.sleep(max(0.0, t0 + i * STAGGER - time.perf_counter()))
+        sent, first, tokens = time.perf_counter(), None, 0
+        stream = await api.chat.completions.create(
+            model=model, temperature=0, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter()
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return (first - sent) * 1000, tokens, time.perf_counter()
+
+    out = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(tab(i, t0) for i in range(tabs)))
+        if r:
+            out.append(summary([x[0] for x in results], sum(x[1] for x in results), max(x[2] for x in results) - t0))
+    await api.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tabs", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    local = asyncio.run(in_process(args.model, args.tabs, args.rounds))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--model", args.model,
+                               "--log-level", "warning"], env={k: v for k, v in os.environ.items() if k != "TUICHAT_API_KEY"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                sys.exit("tuichat serve did not start")
+            time.sleep(0.2)
+        remote = asyncio.run(over_http(base, args.model, args.tabs, args.rounds))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    print(f"{args.model}: {args.tabs} tabs {STAGGER * 1000:.0f} ms apart, <= {TOKENS} tokens, median of {args.rounds} rounds")
+    for name, runs in (("in process (LocalBackend)", local), ("over HTTP (tuichat serve)", remote)):
+        print(f"  {name:<27} {med(runs, 'tok_s'):6.1f} tok/s   TTFT p50 {med(runs, 'ttft_p50'):6.1f} ms   "
+              f"p90 {med(runs, 'ttft_p90'):6.1f} ms")
+    print(f"  HTTP ÷ in process: throughput {med(remote, 'tok_s') / med(local, 'tok_s'):.2f}×, "
+          f"TTFT p50 {med(remote, 'ttft_p50') - med(local, 'ttft_p50'):+.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
