@@ -267,3 +267,28 @@ def test_a_stateless_client_resending_its_history_hits_the_cache_for_all_of_it(s
         history = before.prompt_tokens + before.completion_tokens
         assert turn.prompt_tokens > history
         assert turn.prompt_tokens_details.cached_tokens >= history - 16 - 1, (before, turn)  # a block; the EOS
+
+
+def test_plain_completions_continue_the_text_as_generate_does(server, embedded):
+    _, _, reference, tokenizer = embedded
+    prompt = "The three primary colours are"
+    ids = tokenizer(prompt)["input_ids"]
+    text = tokenizer.decode(hf_greedy(reference, ids, 12, eos_token_id=tokenizer.eos_token_id), skip_special_tokens=True)
+
+    async def main():
+        api = client(server)
+        whole = await api.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0)
+        stream = await api.completions.create(model="smollm2-135m", prompt=[prompt], max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await api.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    assert whole.object == "text_completion" and whole.choices[0].text == text
+    assert whole.usage.prompt_tokens == len(ids)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    refused = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "echo": True},
+                         headers={"Authorization": f"Bearer {KEY}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"

@@ -101,6 +101,11 @@ class Backend(Protocol):
         conversation's KV cache. Closing the iterator early (or `cancel`) stops the request."""
         ...
 
+    def complete(self, request_id: str, prompt: str, params: SamplingParams,
+                 model: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Continue `prompt` as plain text, no chat template (an OpenAI /v1/completions request)."""
+        ...
+
     def cancel(self, conversation_id: str) -> None:
         """Stop the reply in flight for this conversation, if any; its KV blocks are freed at once."""
         ...

@@ -241,13 +241,41 @@ class LocalBackend:
         return None
 
     # -- streaming ----------------------------------------------------------------------------------------
-    async def stream(
+    def stream(
         self,
         conversation_id: str,
         messages: Sequence[Message],
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
+        def build(name: str, loaded: _Loaded):
+            rendered, prompt, reused = self._prompt(name, loaded, conversation_id, messages)
+
+            def remember(seq) -> None:
+                self._conversations.pop(conversation_id, None)  # to the end: the most recent
+                while len(self._conversations) >= MAX_CONVERSATIONS:
+                    self._conversations.popitem(last=False)
+                self._conversations[conversation_id] = _Conversation(
+                    name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids, reused
+                )
+
+            return prompt, remember
+
+        return self._generate(conversation_id, params, model, build)
+
+    def complete(self, request_id: str, prompt: str, params: SamplingParams,
+                 model: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Continue `prompt` as plain text, with no chat template (what /v1/completions asks for)."""
+        def build(name: str, loaded: _Loaded):
+            if not prompt:
+                raise BackendError("The prompt is empty.")
+            return loaded.tokenizer(prompt)["input_ids"], None  # the tokenizer's own BOS, as generate's users get
+
+        return self._generate(request_id, params, model, build)
+
+    async def _generate(self, conversation_id: str, params: SamplingParams, model: str | None,
+                        build) -> AsyncIterator[StreamEvent]:
+        """One reply's events; build(name, loaded) gives its prompt ids and what to remember of it when it ends."""
         for _ in range(3):  # evicted or broken between its load and the lease: load it again
             name = await self.load(model)
             if (loaded := self._acquire(name)) is not None:
@@ -256,7 +284,7 @@ class LocalBackend:
             raise BackendError(f"{model or self.default_model} was unloaded while starting the reply; send it again.")
         try:
             engine = loaded.engine
-            rendered, prompt, reused = self._prompt(name, loaded, conversation_id, messages)
+            prompt, remember = build(name, loaded)
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue = asyncio.Queue()
             self.cancel(conversation_id)  # one reply per conversation at a time
@@ -273,13 +301,8 @@ class LocalBackend:
                     engine.cancel(seq.id)
                 if self._in_flight.get(conversation_id, (None, None))[1] == seq.id:
                     del self._in_flight[conversation_id]
-                if seq.finish_reason != "error":
-                    self._conversations.pop(conversation_id, None)  # to the end: the most recent
-                    while len(self._conversations) >= MAX_CONVERSATIONS:
-                        self._conversations.popitem(last=False)
-                    self._conversations[conversation_id] = _Conversation(
-                        name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids, reused
-                    )
+                if seq.finish_reason != "error" and remember is not None:
+                    remember(seq)
         finally:
             self._release(loaded)
 

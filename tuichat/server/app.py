@@ -82,7 +82,7 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
                 return JSONResponse(schema.error_body("Incorrect or missing API key: send Authorization: Bearer KEY.",
                                                       code="invalid_api_key"), 401)
         response = await call_next(request)
-        if request.url.path != "/v1/chat/completions":  # those log when their reply ends
+        if request.url.path not in ("/v1/chat/completions", "/v1/completions"):  # those log when their reply ends
             log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
                      (time.monotonic() - started) * 1000)
         return response
@@ -101,11 +101,10 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
         return {"object": "list", "data": [{"id": m.spec, "object": "model", "created": 0, "owned_by": "tuichat"}
                                            for m in listed]}
 
-    def params_of(body: schema.ChatRequest) -> SamplingParams:
+    def params_of(body: schema.Sampling, max_tokens: int | None) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"n must be 1: tuichat writes one choice per request, not {body.n}.", "n")
-        given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                 "max_tokens": body.max_completion_tokens or body.max_tokens,
+        given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "max_tokens": max_tokens,
                  "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
@@ -113,21 +112,21 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
         except BackendError as exc:
             raise ApiError(400, str(exc)) from None
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        started = time.monotonic()
+    async def parsed(request: Request, kind: type[schema.Sampling]):
         try:  # JSON whatever the content type says (curl -d sends a form's), validated as OpenAI's request
-            body = schema.ChatRequest.model_validate_json(await request.body())
+            return kind.model_validate_json(await request.body())
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        params = params_of(body)
+
+    async def reply(body: schema.Sampling, params: SamplingParams, start, request_id: str, path: str, shape):
+        """The response to a completion request: `start(model)` opens the backend's stream of events; `shape` is
+        schema's chat or plain-text builders."""
+        started = time.monotonic()
         try:
             model = await backend.load(body.model or default_model)
         except BackendError as exc:
             raise _error(exc) from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        # A stateless API: every request is its own conversation; its history still hits the prefix cache.
-        events = aiter(backend.stream(request_id, [m.message() for m in body.messages], params, model))
+        events = aiter(start(model, params))
         try:  # the first event, before any byte is sent: a bad prompt is an error status, not a broken stream
             first = await anext(events)
         except BackendError as exc:
@@ -136,7 +135,7 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
 
         def done(usage: Usage, status: int = 200) -> None:
             metrics.finished(model, usage)
-            log.info("POST /v1/chat/completions %d prompt %d cached %d completion %d ttft %s ms e2e %.0f ms", status,
+            log.info("POST %s %d prompt %d cached %d completion %d ttft %s ms e2e %.0f ms", path, status,
                      usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
                      "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}", (time.monotonic() - started) * 1000)
 
@@ -154,30 +153,69 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
                 done(event.usage, 500)
                 raise ApiError(500, event.error, kind="server_error")
             done(event.usage)
-            return schema.completion(request_id, model, "".join(text), event.usage)
-
+            return shape.whole(request_id, model, "".join(text), event.usage)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(request_id, model, first, events, include_usage, done),
+        return StreamingResponse(_sse(shape, request_id, model, first, events, include_usage, done),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parsed(request, schema.ChatRequest)
+        params = params_of(body, body.max_completion_tokens or body.max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        messages = [m.message() for m in body.messages]
+        # A stateless API: every request is its own conversation; LocalBackend finds the turn it continues.
+        return await reply(body, params, lambda model, p: backend.stream(request_id, messages, p, model), request_id,
+                           "/v1/chat/completions", _CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parsed(request, schema.CompletionRequest)
+        # OpenAI's default for plain completions is 16 tokens.
+        params = params_of(body, body.max_tokens or 16)
+        for name, given in (("echo", body.echo), ("suffix", body.suffix is not None), ("logprobs", body.logprobs is not None)):
+            if given:
+                raise ApiError(400, f"{name} is not supported: leave it out.", name)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise ApiError(400, f"prompt must be one string, not a list of {len(prompts)}.", "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await reply(body, params, lambda model, p: backend.complete(request_id, prompts[0], p, model),
+                           request_id, "/v1/completions", _TEXT)
 
     return app
 
 
-async def _sse(request_id: str, model: str, first: StreamEvent, events: AsyncIterator[StreamEvent],
+class _Shape:
+    """How one kind of completion is written: whole, or as the first, middle, finishing and usage chunks."""
+
+    def __init__(self, whole, piece, opening=None) -> None:
+        self.whole, self.piece, self.opening = whole, piece, opening
+
+
+_CHAT = _Shape(schema.completion,
+               lambda rid, model, created, text, finish=None, usage=None: schema.chunk(
+                   rid, model, created, None if text is None else ({"content": text} if text else {}), finish, usage),
+               opening=lambda rid, model, created: schema.chunk(rid, model, created, {"role": "assistant", "content": ""}))
+_TEXT = _Shape(schema.text_completion, schema.text_chunk)
+
+
+async def _sse(shape: _Shape, request_id: str, model: str, first: StreamEvent, events: AsyncIterator[StreamEvent],
                include_usage: bool, done) -> AsyncIterator[str]:
-    """The reply as OpenAI streams it: a role chunk, content deltas, a finish chunk, the usage chunk if asked
-    for, [DONE]. A client gone mid-reply closes `events`, which cancels the request in the engine at once."""
+    """The reply as OpenAI streams it: (chat: a role chunk,) text deltas, a finish chunk, the usage chunk if
+    asked for, [DONE]. A client gone mid-reply closes `events`, which cancels the request in the engine at once."""
     created = int(time.time())
 
     def data(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
-        yield data(schema.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
+        if shape.opening is not None:
+            yield data(shape.opening(request_id, model, created))
         event = first
         while True:
             if event.text:
-                yield data(schema.chunk(request_id, model, created, {"content": event.text}))
+                yield data(shape.piece(request_id, model, created, event.text))
             if event.finished:
                 break
             event = await anext(events)
@@ -186,9 +224,9 @@ async def _sse(request_id: str, model: str, first: StreamEvent, events: AsyncIte
             yield data(schema.error_body(event.error, "server_error"))
         else:
             done(event.usage)
-            yield data(schema.chunk(request_id, model, created, {}, schema.finish_reason(event.usage)))
+            yield data(shape.piece(request_id, model, created, "", schema.finish_reason(event.usage)))
             if include_usage:
-                yield data(schema.chunk(request_id, model, created, None, usage=event.usage))
+                yield data(shape.piece(request_id, model, created, None, usage=event.usage))
         yield "data: [DONE]\n\n"
     finally:
         await events.aclose()

@@ -32,18 +32,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """What /v1/chat/completions accepts. Fields the engine has no way to honour are taken only at the value
-    that means "off" (see app.py); the rest of the OpenAI API's optional fields are accepted and unused."""
+class Sampling(BaseModel):
+    """The sampling fields chat and plain completions share."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
@@ -51,6 +48,23 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(Sampling):
+    """What /v1/completions accepts: one prompt of plain text (a list holding one is the same)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+class ChatRequest(Sampling):
+    """What /v1/chat/completions accepts. Fields the engine has no way to honour are taken only at the value
+    that means "off" (see app.py); the rest of the OpenAI API's optional fields are accepted and unused."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
 
 
 def usage_body(usage: Usage) -> dict:
@@ -77,6 +91,22 @@ def completion(request_id: str, model: str, text: str, usage: Usage, created: in
                      "finish_reason": finish_reason(usage)}],
         "usage": usage_body(usage),
     }
+
+
+def text_completion(request_id: str, model: str, text: str, usage: Usage) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(usage)}],
+            "usage": usage_body(usage)}
+
+
+def text_chunk(request_id: str, model: str, created: int, text: str | None, finish: str | None = None,
+               usage: Usage | None = None) -> dict:
+    """One streamed piece of a plain completion; `text` None: the usage chunk, with no choices."""
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+    return body
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None,
