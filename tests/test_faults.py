@@ -115,7 +115,7 @@ def test_a_forward_failure_of_one_request_fails_only_that_request(served, monkey
 
 def test_a_sampler_failure_on_one_requests_parameters_fails_only_that_request(served, monkeypatch):
     engine, reference = served
-    poison(monkeypatch, engine_module, "sample", lambda logits, params, generators: any(p.seed == 666 for p in params))
+    poison(monkeypatch, engine_module, "sample", lambda logits, params, *rest: any(p.seed == 666 for p in params))
     bad = SamplingParams(temperature=0.7, seed=666, max_tokens=8)
     streams = [Stream() for _ in range(3)]
     batch = prompts(3)

@@ -292,3 +292,12 @@ def test_plain_completions_continue_the_text_as_generate_does(server, embedded):
     refused = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "echo": True},
                          headers={"Authorization": f"Bearer {KEY}"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_a_prompt_longer_than_the_context_is_refused_with_openais_code(server):
+    body = {"messages": [{"role": "user", "content": "hello " * 9000}], "max_tokens": 2}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "8191" in error["message"]

@@ -12,11 +12,11 @@ from typing import Literal, Protocol
 from collections.abc import AsyncIterator, Sequence
 
 # The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
-from tuichat.engine.types import (EngineError, FinishReason, ModelNotFound, ProgressCallback, ResolvedModel, SamplingParams,
-                                  ServingOptions, Usage)
+from tuichat.engine.types import (EngineError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
+                                  ResolvedModel, SamplingParams, ServingOptions, Usage)
 
 __all__ = ["Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message", "ModelInfo",
-           "ModelNotFound", "ProgressCallback", "ResolvedModel", "Role", "SamplingParams", "StreamEvent", "Usage"]
+           "ModelNotFound", "ProgressCallback", "PromptTooLong", "ResolvedModel", "Role", "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
 # One error type for what the user can act on, whoever raises it: a front end, a remote backend or the engine.

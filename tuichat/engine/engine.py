@@ -25,7 +25,7 @@ from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
-from tuichat.engine.types import EngineError, SamplingParams, ServingOptions
+from tuichat.engine.types import EngineError, PromptTooLong, SamplingParams, ServingOptions
 
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
 
@@ -270,11 +270,11 @@ class Engine:
         if not prompt_ids:
             raise EngineError("The prompt is empty.")
         if len(prompt_ids) >= self.max_model_len:
-            raise EngineError(
+            raise PromptTooLong(
                 f"The prompt is {len(prompt_ids)} tokens long; {self.name} takes at most {self.max_model_len - 1}."
             )
         if len(prompt_ids) + 1 > self.capacity_tokens:
-            raise EngineError(
+            raise PromptTooLong(
                 f"The prompt is {len(prompt_ids)} tokens long, but the whole KV cache holds {self.capacity_tokens}. "
                 "Raise the engine's kv_cache_mb or start a new conversation."
             )

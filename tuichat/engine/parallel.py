@@ -13,6 +13,7 @@ loop on plans. Transport: NCCL for activations on CUDA, gloo on CPU; plans alway
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ _COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up
 _ROW = {"self_attn": "o_proj", "mlp": "down_proj"}
 _STARTUP_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_S = 120
+DEATH_GRACE_S = 1.0  # how long a failed step waits for a dying worker to be seen dead (see execute)
 
 
 class RowParallelLinear(nn.Module):
@@ -197,6 +199,9 @@ class TensorParallelRunner(ModelRunner):
             dist.broadcast_object_list([chunks], src=0, group=self.plan_group)
             return super().execute(chunks)
         except Exception as exc:
+            # A killed worker's sockets close while it exits, a moment before it can be seen to have: give it that
+            # moment, so that the error names the worker rather than the broken connection it left.
+            mp.connection.wait([proc.sentinel for proc in self.workers], timeout=DEATH_GRACE_S)
             why = self._dead_worker() or f"tensor-parallel rank 0 failed mid-step: {type(exc).__name__}: {exc}"
             self.broken = f"{why}. Its workers were stopped; load the model again to restart them."
             self._stop_workers()

@@ -24,6 +24,10 @@ class ModelNotFound(EngineError):
     """The model asked for is nowhere to be found (a server answers 404)."""
 
 
+class PromptTooLong(EngineError):
+    """A prompt longer than the model's context or the whole KV cache: it can never run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""

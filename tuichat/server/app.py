@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tuichat.backend import Backend, BackendError, ModelNotFound, SamplingParams, StreamEvent, Usage
+from tuichat.backend import Backend, BackendError, ModelNotFound, PromptTooLong, SamplingParams, StreamEvent, Usage
 from tuichat.server import schema
 from tuichat.server.metrics import ServerMetrics
 
@@ -38,6 +38,8 @@ class ApiError(Exception):
 def _error(exc: BackendError) -> ApiError:
     if isinstance(exc, ModelNotFound):
         return ApiError(404, str(exc), "model", "model_not_found")
+    if isinstance(exc, PromptTooLong):  # OpenAI's code for it, which clients look for to trim a history
+        return ApiError(400, str(exc), "messages", "context_length_exceeded")
     return ApiError(400, str(exc))
 
 
