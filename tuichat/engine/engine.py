@@ -98,7 +98,7 @@ class Engine:
         # offloads some to the CPU or disk and computes them on its execution device.
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
                           self.attention.devices)
-        self.runner = self._choose_forward(model, source, what, num_blocks, kv_heads)
+        self.runner = self._choose_forward(model, source, what, shape, num_blocks)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -129,12 +129,12 @@ class Engine:
             )
         return found
 
-    def _choose_forward(self, model, source, what: str, num_blocks: int, kv_heads: int):
+    def _choose_forward(self, model, source, what: str, shape: ModelShape, num_blocks: int):
         """The one choice of what runs a step, made once and checked before the engine serves: tensor-parallel
         ranks, or decoder.c over packed (a GGUF's, --quant's) or bf16 weights, or transformers' modules (with
         our linears where they win). Sets the labels the stats panel and the bench show (matmul, layers,
         weights); returns the runner."""
-        config, shape = self.config, ModelShape.of(model.config)
+        config = self.config
         self.matmul = "torch"
         self.layers = "transformers"
         self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
@@ -146,7 +146,7 @@ class Engine:
             parallel.check_shardable(model.config, config.tp)  # before spawning anything
             workers, plan_group, pipes = parallel.start_workers(dict(
                 resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
-                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=kv_heads,
+                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=shape.kv_heads,
                 head_dim=shape.head_dim, num_layers=shape.layers,
             ))
             parallel.shard_model(model, 0, config.tp)
@@ -387,16 +387,23 @@ class Engine:
                 rows.append(logits)
         return ran, torch.cat(rows) if rows else None
 
+    @staticmethod
+    def _replies(seqs: list[Sequence]) -> list[list[int]] | None:
+        """Each sequence's reply so far, for the penalties; None (nothing copied each step) when none has one."""
+        if any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+            return [s.completion_ids for s in seqs]
+        return None
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         """One token per sequence; a sequence whose sampling fails gets None and an error, the others a token."""
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.completion_ids for s in seqs])
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._replies(seqs))
         except Exception:
             pass
         tokens: list[int | None] = []
         for row, seq in enumerate(seqs):
             try:
-                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator], [seq.completion_ids])
+                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator], self._replies([seq]))
             except Exception as exc:
                 self._fail(seq, exc)
                 tokens.append(None)

@@ -112,7 +112,7 @@ class NativeDecoder:
         exact = exact or {}
 
         def fp32(name: str, weight: torch.Tensor) -> torch.Tensor:
-            return exact.get(name, weight.detach().float().contiguous())
+            return exact[name] if name in exact else weight.detach().float().contiguous()
 
         self.embedding = exact.get("model.embed_tokens.weight")  # else rows of the model's, widened
         self.final_norm = fp32("model.norm.weight", model.model.norm.weight) if packed else None

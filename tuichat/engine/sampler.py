@@ -44,7 +44,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            replies: list[list[int]] | None = None) -> list[int]:
     """logits: [N, vocab] float32; replies: each row's generated ids so far (for the penalties). Returns one
     token id per row."""
-    if replies is not None and any(p.presence_penalty or p.frequency_penalty for p in params):
+    if replies is not None:  # the engine passes them only when a row has a penalty
         logits = torch.stack([penalize(row, p, reply) for row, p, reply in zip(logits, params, replies)])
     chosen = logits.argmax(dim=-1)
     for row, (p, generator) in enumerate(zip(params, generators)):

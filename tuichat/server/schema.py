@@ -99,24 +99,27 @@ def text_completion(request_id: str, model: str, text: str, usage: Usage) -> dic
             "usage": usage_body(usage)}
 
 
-def text_chunk(request_id: str, model: str, created: int, text: str | None, finish: str | None = None,
-               usage: Usage | None = None) -> dict:
-    """One streamed piece of a plain completion; `text` None: the usage chunk, with no choices."""
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+def _streamed(kind: str, field: str, request_id: str, model: str, created: int, value, finish: str | None,
+              usage: Usage | None) -> dict:
+    """One streamed object of `kind`: a choice with `field` = value, or (value None) the usage chunk, whose
+    choices are empty."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model,
+            "choices": [] if value is None else [{"index": 0, field: value, "logprobs": None, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage_body(usage)
     return body
+
+
+def text_chunk(request_id: str, model: str, created: int, text: str | None, finish: str | None = None,
+               usage: Usage | None = None) -> dict:
+    """One streamed piece of a plain completion."""
+    return _streamed("text_completion", "text", request_id, model, created, text, finish, usage)
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None,
           usage: Usage | None = None) -> dict:
-    """One `chat.completion.chunk`: a delta, or (delta None) the usage chunk, whose choices are empty."""
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-    if usage is not None:
-        body["usage"] = usage_body(usage)
-    return body
+    """One `chat.completion.chunk`: a delta, or (delta None) the usage chunk."""
+    return _streamed("chat.completion.chunk", "delta", request_id, model, created, delta, finish, usage)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
