@@ -37,7 +37,9 @@ CANDIDATES = {
     "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "temperature 0.7, top_p 0.9, frequency 0.3": dict(temperature=0.7, top_p=0.9, frequency_penalty=0.3),
     "temperature 0.2, top_p 0.9 (SmolLM2's card)": dict(temperature=0.2, top_p=0.9),
+    "temperature 0.2, top_p 0.9, frequency 0.3": dict(temperature=0.2, top_p=0.9, frequency_penalty=0.3),
     "temperature 0.2, top_p 0.9, frequency 0.5": dict(temperature=0.2, top_p=0.9, frequency_penalty=0.5),
+    "temperature 0.5, top_p 0.9, frequency 0.3": dict(temperature=0.5, top_p=0.9, frequency_penalty=0.3),
 }
 
 
@@ -54,11 +56,12 @@ def loops(ids: list[int], n: int = 8, times: int = 3) -> bool:
 async def run(backend: LocalBackend, params: SamplingParams, tag: str) -> tuple[int, int, float]:
     async def one(i: int, prompt: str):
         events = [e async for e in backend.stream(f"{tag}-{i}", [Message("user", prompt)], params)]
-        return backend.cached_token_ids(f"{tag}-{i}")[events[-1].usage.prompt_tokens:], events[-1].usage
+        return (backend.cached_token_ids(f"{tag}-{i}")[events[-1].usage.prompt_tokens:], events[-1].usage,
+                "".join(e.text for e in events))
     replies = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-    looped = sum(loops(ids) for ids, _ in replies)
-    cut = sum(usage.finish_reason == "length" for _, usage in replies)
-    return looped, cut, statistics.median(usage.completion_tokens for _, usage in replies)
+    looped = sum(loops(ids) for ids, _, _ in replies)
+    cut = sum(usage.finish_reason == "length" for _, usage, _ in replies)
+    return looped, cut, statistics.median(usage.completion_tokens for _, usage, _ in replies), replies[0][2]
 
 
 def main() -> None:
@@ -66,6 +69,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="candidates whose name contains one of these")
+    parser.add_argument("--show", action="store_true", help="print each candidate's reply to the first prompt")
     args = parser.parse_args()
     backend = LocalBackend(EngineOptions(prefix_cache=False), args.model)
 
@@ -74,6 +79,8 @@ def main() -> None:
         print(f"{args.model}: {len(PROMPTS)} prompts, replies up to {args.tokens} tokens; looping = a run of 8 "
               "tokens 3+ times")
         for name, fields in CANDIDATES.items():
+            if args.only and not any(o in name for o in args.only):
+                continue
             seeds = [None] if fields["temperature"] == 0 else list(range(args.seeds))
             results = [await run(backend, SamplingParams(max_tokens=args.tokens, seed=seed, **fields), f"{name}-{seed}")
                        for seed in seeds]
@@ -81,6 +88,8 @@ def main() -> None:
             cut = sum(r[1] for r in results) / len(results)
             median = statistics.median(r[2] for r in results)
             print(f"{name:<46} looping {looped:4.1f} / {len(PROMPTS)}   cut {cut:4.1f}   median {median:.0f} tokens")
+            if args.show:
+                print("    " + results[0][3][:400].replace("\n", "\n    "))
         await backend.close()
 
     asyncio.run(everything())

@@ -49,11 +49,15 @@ class FakeBackend(DemoBackend):
         self.reported_usage: Usage | None = None  # if given, the prompt and cached tokens every reply reports
         self.calls: list[dict] = []  # every stream() call: conversation_id, messages, params, model
         self.max_in_flight = 0
+        self.recommended: dict[str, dict] = {}  # model -> the sampling its generation config would recommend
 
     def _usage(self, conversation_id: str, messages: Sequence[Message]) -> Usage:
         if self.reported_usage is not None:
             return replace(self.reported_usage)
         return super()._usage(conversation_id, messages)
+
+    def sampling_defaults(self, model: str) -> dict:
+        return self.recommended.get(model, {}) if model in self.loaded else {}
 
     async def load(self, model, progress=None) -> str:
         self.load_calls.append(model)

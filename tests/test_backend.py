@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.helpers import until
-from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams, chat_sampling
 from tuichat.local import LocalBackend
 
 LONG = SamplingParams(max_tokens=40)
@@ -64,6 +64,37 @@ def test_concurrent_conversations_share_engine_steps(tiny_chat_model):
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.kv_blocks_total > 0
     assert stats.matmul == "torch"  # the AMX kernel serves bf16 only; this model runs in float32
     assert stats.layers == "transformers"
+
+
+def test_a_models_recommended_sampling_is_the_default_under_the_users(tiny_chat_model, tmp_path):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "recommends"
+    shutil.copytree(tiny_chat_model, folder)
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1).save_pretrained(folder)
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+
+    async def run():
+        try:
+            plain, recommends = await backend.load(tiny_chat_model), await backend.load(str(folder))
+            return backend.sampling_defaults(plain), backend.sampling_defaults(recommends)
+        finally:
+            await backend.close()
+
+    plain, recommended = asyncio.run(run())
+    shipped = GenerationConfig.from_pretrained(folder)  # transformers' reading of the file
+    assert recommended == {"temperature": shipped.temperature, "top_p": shipped.top_p, "top_k": shipped.top_k}
+    assert plain == {} and backend.sampling_defaults("never-loaded") == {}
+    # The user's settings lie over the model's; with none, tuichat's default; temperature 0 is exact greedy,
+    # with only the penalties the user set.
+    assert chat_sampling(recommended, {"max_tokens": 9}) == SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=9)
+    assert chat_sampling(plain, {}) == SamplingParams(temperature=0.2, top_p=0.9, frequency_penalty=0.5)
+    assert chat_sampling(recommended, {"temperature": 0}) == chat_sampling(plain, {"temperature": 0}) == SamplingParams()
+    assert chat_sampling(plain, {"temperature": 0, "presence_penalty": 0.3}) == SamplingParams(presence_penalty=0.3)
+    with pytest.raises(BackendError, match="top_p must be"):
+        chat_sampling(recommended, {"top_p": 0})
 
 
 def test_no_thread_that_ran_torch_outlives_its_work(tiny_chat_model, monkeypatch):
@@ -142,6 +173,29 @@ def test_closing_the_stream_early_cancels_the_request(tiny_chat_model):
 
     asyncio.run(run())
 
+
+
+def test_a_consumer_that_falls_behind_gets_what_piled_up_in_one_event(tiny_chat_model):
+    """Read the first event, then nothing until the engine has finished the reply: the rest comes as one event
+    (fewer for a slow client to handle), and the text is the same as read token by token."""
+    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+
+    async def run():
+        await backend.load()
+        engine = backend._loaded[tiny_chat_model].engine
+        steady = [event async for event in backend.stream("steady", user("Count on"), greedy)]
+        stream = aiter(backend.stream("late", user("Count on"), greedy))
+        late = [await anext(stream)]
+        await until(lambda: not engine.scheduler.has_work(), "the reply's end")
+        late += [event async for event in stream]
+        await backend.close()
+        return steady, late
+
+    steady, late = asyncio.run(run())
+    assert len(late) <= 2 < len(steady) and late[-1].finished
+    assert "".join(e.text for e in late) == "".join(e.text for e in steady)
+    assert late[-1].usage.completion_tokens == steady[-1].usage.completion_tokens == 30
 
 def test_a_crash_mid_reply_reports_an_error_and_the_engine_goes_on(tiny_chat_model):
     backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)

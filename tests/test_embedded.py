@@ -151,10 +151,31 @@ def test_ask_says_when_the_kv_cache_cut_the_reply_short(embedded):
     assert f"tuichat: the reply was cut short: {data['finish_detail']}.\n" in result.stderr
 
 
+def test_ask_samples_with_the_chat_default_and_temperature_0_is_transformers_greedy(embedded):
+    """The embedded model's generation config recommends no sampling, so ask uses tuichat's default; --temperature 0
+    drops its penalty, and the reply is transformers' greedy one to the word."""
+    question = "Write a haiku about the sea."
+    result = run_cli("ask", question, "--json", "--dtype", "float32", "--max-tokens", "8")
+    assert result.exit_code == 0, result.output
+    default = json.loads(result.stdout.strip().splitlines()[-1])["sampling"]
+    assert default == {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "seed": None, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.5}
+    result = run_cli("ask", question, "--json", "--dtype", "float32", "--max-tokens", "24", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+    greedy = json.loads(result.stdout.strip().splitlines()[-1])
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,
+                                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    _, _, reference, tokenizer = embedded
+    ids = hf_greedy(reference, template_ids(tokenizer, [Message("user", question)]), 24,
+                    eos_token_id=tokenizer.eos_token_id)
+    assert greedy["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_ask_reads_stdin_and_streams(embedded):
     # float32: this prompt's greedy reply is "Paris" in float32 only (bf16, and Q4_1 here or in llama.cpp,
     # start "L'Étoile"; scripts/fidelity.py measures how often each way agrees with float32).
-    result = run_cli("ask", "-", "--max-tokens", "8", "--dtype", "float32", input="What is the capital of France?")
+    result = run_cli("ask", "-", "--max-tokens", "8", "--dtype", "float32", "--temperature", "0",
+                     input="What is the capital of France?")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
     assert "TTFT" in result.stderr

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import hf_greedy, template_ids, wait_until
-from tuichat.backend import Message
+from tuichat.backend import Message, SamplingParams
 
 KEY = "sk-tuichat-test"
 
@@ -301,3 +301,26 @@ def test_a_prompt_longer_than_the_context_is_refused_with_openais_code(server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "8191" in error["message"]
+
+
+async def test_a_requests_omitted_sampling_fields_come_from_the_config_then_the_model():
+    """In process over a recording backend: what a request leaves out is the config's [sampling], then what the
+    model recommends (else tuichat's default); a request's temperature 0 is exact greedy."""
+    from tests.fake_backend import FakeBackend
+    from tuichat.server.app import create_app
+
+    backend = FakeBackend(models=["plain", "recommends"])
+    backend.recommended = {"recommends": {"temperature": 0.6, "top_k": 20}}
+    app = create_app(backend, "plain", {"top_k": 5})
+    hi = [{"role": "user", "content": "hi"}]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as http:
+        api = openai.AsyncOpenAI(base_url="http://serve/v1", api_key="none", http_client=http, max_retries=0)
+        sent = []
+        for model, fields in (("recommends", {}), ("plain", {}), ("recommends", {"temperature": 0, "max_tokens": 7}),
+                              ("plain", {"top_p": 0.5, "frequency_penalty": 0.0})):
+            await api.chat.completions.create(model=model, messages=hi, **fields)
+            sent.append(backend.calls[-1]["params"])
+    assert sent == [SamplingParams(temperature=0.6, top_k=5),
+                    SamplingParams(temperature=0.2, top_p=0.9, top_k=5, frequency_penalty=0.5),
+                    SamplingParams(top_k=5, max_tokens=7),
+                    SamplingParams(temperature=0.2, top_p=0.5, top_k=5)]

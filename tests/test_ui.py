@@ -15,7 +15,7 @@ from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend, VirtualClock
 from tests.helpers import until
-from tuichat.backend import EngineStats, SamplingParams, Usage
+from tuichat.backend import CHAT_SAMPLING, EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
@@ -606,7 +606,36 @@ async def test_sampling_is_per_tab_and_passed_to_the_backend():
         assert "temp 0.7" in str(app.active_tab.query_one(".model-bar").render())
         await pilot.press("ctrl+t")
         await send_and_wait(pilot, "default")
-        assert backend.calls[-1]["params"] == Config().sampling
+        # The embedded model recommends no sampling: a new tab has tuichat's default.
+        assert backend.calls[-1]["params"] == SamplingParams(temperature=0.2, top_p=0.9, frequency_penalty=0.5)
+
+
+async def test_a_tab_follows_its_models_recommended_sampling_under_the_config():
+    backend = FakeBackend()
+    backend.recommended = {"smollm2-135m": {"temperature": 0.6, "top_k": 20}}
+    app, _ = make_app(backend, config=replace(Config(), sampling={"max_tokens": 64, "top_k": 5}))
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_wait(pilot, "hello")
+        assert backend.calls[-1]["params"] == SamplingParams(temperature=0.6, top_k=5, max_tokens=64)
+        await until(lambda: "temp 0.6 · top-k 5 · max 64" in str(app.active_tab.model_bar.render()),
+                    what="the model bar showing the sampling")
+
+
+async def test_temperature_0_in_the_dialog_turns_the_default_penalty_off_unless_it_is_set():
+    app, backend = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        for penalty, want in (("0.5", 0.0), ("0.25", 0.25)):
+            await pilot.press("f3")
+            assert app.screen.query_one("#frequency_penalty").value == "0.5"  # the default, shown
+            app.screen.query_one("#frequency_penalty").value = penalty
+            app.screen.query_one("#temperature").value = "0"
+            app.screen.query_one("#temperature").focus()
+            await pilot.press("enter")
+            await until(lambda: not isinstance(app.screen, SamplingScreen), what="the dialog closed")
+            await send_and_wait(pilot, "greedy")
+            params = backend.calls[-1]["params"]
+            assert (params.temperature, params.frequency_penalty, params.presence_penalty) == (0, want, 0)
+            app.active_tab.set_sampling(SamplingParams(**CHAT_SAMPLING))  # back to the default for the next round
 
 
 async def test_sampling_dialog_refuses_a_value_the_params_reject_and_applies_nothing():
@@ -622,7 +651,7 @@ async def test_sampling_dialog_refuses_a_value_the_params_reject_and_applies_not
         await until(lambda: error.display, what="the refusal")
         assert isinstance(app.screen, SamplingScreen)  # still open, to correct the value
         assert str(error.render()) == "top_p must be a number above 0 and at most 1 (1 is off), not 0.0."
-        assert tab.sampling is before and app.store.get_setting(sampling_key(tab.conversation_id)) is None
+        assert tab.sampling == before and app.store.get_setting(sampling_key(tab.conversation_id)) is None
         await pilot.press("backspace", *"0.5", "enter")
         await until(lambda: not isinstance(app.screen, SamplingScreen), what="the dialog closed")
         assert tab.sampling == replace(before, top_p=0.5)
@@ -636,10 +665,10 @@ async def test_a_stored_sampling_the_params_reject_gives_the_default():
     conversation = store.create_conversation("old tab", "smollm2-135m")
     store.set_setting(sampling_key(conversation), '{"temperature": 0.7, "top_p": 0, "stop": []}')
     store.close()
-    config = replace(Config(), sampling=SamplingParams(max_tokens=64))
+    config = replace(Config(), sampling={"max_tokens": 64})
     app, _ = make_app(config=config)
     async with app.run_test(size=SIZE):
-        assert app.active_tab.sampling == config.sampling
+        assert app.active_tab.sampling == SamplingParams(temperature=0.2, top_p=0.9, frequency_penalty=0.5, max_tokens=64)
 
 
 async def test_each_chunk_reparses_only_the_last_block(monkeypatch):

@@ -7,7 +7,7 @@ import re
 from dataclasses import replace
 
 from tests.helpers import until
-from tuichat.backend import EngineOptions, SamplingParams
+from tuichat.backend import EngineOptions
 from tuichat.config import Config
 from tuichat.local import LocalBackend
 from tuichat.store import Store
@@ -15,7 +15,8 @@ from tuichat.ui.app import TuichatApp
 
 
 async def test_question_answered_by_the_embedded_model(embedded):
-    config = replace(Config(), sampling=SamplingParams(max_tokens=24), engine=EngineOptions(dtype="float32"))
+    # Greedy: "Paris" is float32's greedy answer.
+    config = replace(Config(), sampling={"max_tokens": 24, "temperature": 0}, engine=EngineOptions(dtype="float32"))
     app = TuichatApp(lambda: LocalBackend(config.engine, config.model), config, Store())
     async with app.run_test(size=(110, 36)) as pilot:
         tab = app.active_tab

@@ -8,19 +8,33 @@ the engine lazily); tests use fakes that follow the same protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
-from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal, Protocol
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 # The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
 from tuichat.engine.types import (EngineError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
                                   ResolvedModel, SamplingParams, ServingOptions, Usage)
 
-__all__ = ["Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message", "ModelInfo",
+__all__ = ["CHAT_SAMPLING", "Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message", "ModelInfo",
            "ModelNotFound", "ProgressCallback", "PromptTooLong", "ResolvedModel", "Role", "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
 # One error type for what the user can act on, whoever raises it: a front end, a remote backend or the engine.
 BackendError = EngineError
+
+
+# What a chat samples with when neither the model's generation config nor the user says: of the settings
+# scripts/loops.py compares (README), the one whose replies loop least on the embedded model.
+CHAT_SAMPLING: Mapping[str, Any] = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.5}
+
+
+def chat_sampling(recommended: Mapping[str, Any], chosen: Mapping[str, Any]) -> SamplingParams:
+    """The sampling of a reply in every front end: what the user chose (config, flags, a dialog, a request's
+    fields) over the model's recommendation, or CHAT_SAMPLING when it has none. A chosen temperature of 0 is
+    exact greedy, as SamplingParams() is: the defaults' penalties are dropped and only the user's own apply.
+    Raises BackendError for a value out of range."""
+    base = {} if chosen.get("temperature") == 0 else (recommended or CHAT_SAMPLING)
+    return SamplingParams(**{**base, **chosen})
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,11 @@ class Backend(Protocol):
         ...
 
     def stats(self, model: str | None = None) -> EngineStats:
+        ...
+
+    def sampling_defaults(self, model: str) -> dict[str, Any]:
+        """The sampling the loaded `model`'s makers recommend (its generation config), as SamplingParams
+        fields; {} when it gives none or is not loaded. Front ends pass it to `chat_sampling`."""
         ...
 
     def list_models(self) -> list[ModelInfo]:

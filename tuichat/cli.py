@@ -9,10 +9,11 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import asdict
 
 import click
 
-from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.backend import BackendError, EngineOptions, Message, chat_sampling
 
 
 def engine_options(func):
@@ -141,8 +142,6 @@ def paths() -> None:
 def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed, presence_penalty, frequency_penalty,
         stop, as_json, **engine_flags):
     """Answer PROMPT (`-` reads stdin), streaming the reply to stdout and stats to stderr."""
-    from dataclasses import replace
-
     # Checked before anything loads: a bad prompt or setting fails in milliseconds, not after the model.
     prompt = _utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else _utf8(prompt, "the prompt")
     if not prompt.strip():
@@ -156,9 +155,10 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     system = system if system is not None else config.system_prompt
     messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+    chosen = {**config.sampling, **{k: v for k, v in given.items() if v is not None}, **({"stop": stop} if stop else {})}
     try:
-        params = replace(config.sampling, **{k: v for k, v in given.items() if v is not None}, stop=tuple(stop))
-        asyncio.run(_ask(model, options, messages, params, as_json))
+        chat_sampling({}, chosen)  # a value out of range fails before the model loads
+        asyncio.run(_ask(model, options, messages, chosen, as_json))
     except BackendError as exc:
         _fail(str(exc))
 
@@ -169,12 +169,13 @@ def stderr_progress(what: str, fraction: float | None) -> None:
     print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)
 
 
-async def _ask(model: str, options: EngineOptions, messages, params: SamplingParams, as_json: bool) -> None:
+async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_json: bool) -> None:
     from tuichat.local import LocalBackend
 
     backend = LocalBackend(options, model)
     try:
         name = await backend.load(model, stderr_progress)
+        params = chat_sampling(backend.sampling_defaults(name), chosen)
         text, started, last = [], time.monotonic(), None
         async for event in backend.stream("ask", messages, params):
             if event.text:
@@ -203,6 +204,7 @@ async def _ask(model: str, options: EngineOptions, messages, params: SamplingPar
             "e2e_ms": usage.e2e_ms,
             "finish_reason": usage.finish_reason,
             "finish_detail": usage.finish_detail,
+            "sampling": {k: v for k, v in asdict(params).items() if k not in ("stop", "max_tokens")},
         }
         if usage.finish_detail:  # "length" before max_tokens: say what filled up, and what to do
             click.echo(f"tuichat: the reply was cut short: {usage.finish_detail}.", err=True)

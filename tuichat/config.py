@@ -17,7 +17,7 @@ from typing import Any
 from collections.abc import Callable
 
 from tuichat import paths
-from tuichat.backend import EngineOptions, SamplingParams
+from tuichat.backend import EngineOptions
 
 
 @dataclass
@@ -25,7 +25,9 @@ class Config:
     model: str = "smollm2-135m"  # default model spec for new tabs
     system_prompt: str | None = None
     theme: str = "tuichat-dark"  # first-run theme; the last one picked is kept in the Store settings and wins
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # The [sampling] settings the user wrote, as SamplingParams fields: backend.chat_sampling lays them over the
+    # model's recommendation, so a setting left out is not pinned to a default.
+    sampling: dict[str, Any] = field(default_factory=dict)
     engine: EngineOptions = field(default_factory=EngineOptions)
     keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, for Textual's App.set_keymap
     models: list[str] = field(default_factory=list)  # extra model specs listed in the model picker
@@ -57,10 +59,13 @@ DEFAULT_CONFIG_TOML = """\
 # theme = "tuichat-dark"
 
 [sampling]
-# 0 is greedy: always the likeliest token, so the same prompt gives the same reply. Higher is more varied.
-# temperature = 0.0
+# Unset, a reply samples as the model's generation config recommends, or else with temperature 0.2, top_p 0.9
+# and frequency_penalty 0.5 (the setting that loops least on the embedded model: see README).
+# 0 is greedy: always the likeliest token, so the same prompt gives the same reply, untouched by the default
+# penalty (only one set here applies). Higher is more varied.
+# temperature = 0.2
 # Sample only from the likeliest tokens whose probabilities add up to top_p (0 < top_p <= 1). 1.0: off.
-# top_p = 1.0
+# top_p = 0.9
 # Sample only from the top_k likeliest tokens. 0: off.
 # top_k = 0
 # Longest reply, in tokens.
@@ -70,9 +75,9 @@ DEFAULT_CONFIG_TOML = """\
 # End the reply when one of these strings appears.
 # stop = ["\\nUser:"]
 # Lower the logits of tokens already in the reply (OpenAI's penalties, -2 to 2): presence once, frequency per
-# occurrence. 0: off, and greedy stays exact.
+# occurrence. 0: off.
 # presence_penalty = 0.0
-# frequency_penalty = 0.0
+# frequency_penalty = 0.5
 
 [engine]
 # auto | cpu | cuda | cuda:N (auto: a GPU when there is one)
@@ -246,7 +251,7 @@ class _Reader:
                 self.unknown(name, [*_TOP_LEVEL, *_TABLES])
         return Config(
             **self.table(top, _TOP_LEVEL),
-            sampling=SamplingParams(**self.table(tables.get("sampling", {}), _SAMPLING, "sampling.")),
+            sampling=self.table(tables.get("sampling", {}), _SAMPLING, "sampling."),
             engine=EngineOptions(**self.table(tables.get("engine", {}), _ENGINE, "engine.")),
             keymap=self.keymap(tables.get("keymap", {})),
         )

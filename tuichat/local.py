@@ -294,8 +294,15 @@ class LocalBackend:
             try:
                 while not finished:
                     out = await outputs.get()
+                    # A consumer that fell behind (a busy loop, a slow client) takes what has piled up as one
+                    # event, as vLLM's output collector does: fewer events to handle exactly when it is short of
+                    # time. `t` stays the first piece's, when that text was produced.
+                    text, first_t = [out.text], out.t
+                    while not out.finished and not outputs.empty():
+                        out = outputs.get_nowait()
+                        text.append(out.text)
                     finished = out.finished
-                    yield StreamEvent(out.text, out.t, out.usage or Usage(), finished, out.error)
+                    yield StreamEvent("".join(text), first_t, out.usage or Usage(), finished, out.error)
             finally:
                 if not finished:  # the consumer went away: stop generating for nobody
                     engine.cancel(seq.id)
@@ -346,6 +353,14 @@ class LocalBackend:
             weights=engine.weights,
             weight_bytes=engine.weight_bytes,
         )
+
+    def sampling_defaults(self, model: str) -> dict:
+        loaded = self._loaded.get(self._names.get(model, model))
+        if loaded is None:
+            return {}
+        from tuichat.engine.engine import recommended_sampling
+
+        return recommended_sampling(loaded.engine.model)
 
     async def close(self) -> None:
         for loaded in self._loaded.values():

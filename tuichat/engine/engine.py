@@ -68,6 +68,22 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
+def recommended_sampling(model) -> dict:
+    """The sampling a model's generation config ships, as SamplingParams fields (what vLLM serves by default
+    too): only the fields it sets, and only when it samples at all. Its repetition_penalty is left out: it
+    divides logits, where SamplingParams' penalties are OpenAI's, which subtract."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not config.do_sample:
+        return {}
+    given = config.to_diff_dict()
+    chosen = {"temperature": float(config.temperature)}
+    if "top_p" in given:
+        chosen["top_p"] = float(config.top_p)
+    if "top_k" in given and config.top_k:
+        chosen["top_k"] = int(config.top_k)
+    return chosen
+
+
 class Engine:
     def __init__(
         self, model, tokenizer=None, config: EngineConfig = EngineConfig(), name: str = "model", source=None

@@ -7,7 +7,10 @@ import ipaddress
 import logging
 import sys
 
-from tuichat.backend import Backend, SamplingParams
+from collections.abc import Mapping
+from typing import Any
+
+from tuichat.backend import Backend
 
 
 def is_loopback(host: str) -> bool:
@@ -19,7 +22,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(backend: Backend, model: str, host: str, port: int, api_key: str | None, sampling: SamplingParams,
+def serve(backend: Backend, model: str, host: str, port: int, api_key: str | None,
+          sampling: Mapping[str, Any],
           log_level: str = "info") -> None:
     import uvicorn
 

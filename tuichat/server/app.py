@@ -9,9 +9,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tuichat.backend import Backend, BackendError, ModelNotFound, PromptTooLong, SamplingParams, StreamEvent, Usage
+from tuichat.backend import Backend, BackendError, ModelNotFound, PromptTooLong, StreamEvent, Usage, chat_sampling
 from tuichat.server import schema
 from tuichat.server.metrics import ServerMetrics
 
@@ -43,10 +43,11 @@ def _error(exc: BackendError) -> ApiError:
     return ApiError(400, str(exc))
 
 
-def create_app(backend: Backend, default_model: str, sampling: SamplingParams | None = None,
+def create_app(backend: Backend, default_model: str, sampling: Mapping[str, Any] | None = None,
                api_key: str | None = None) -> FastAPI:
-    """`sampling`: what a request's omitted fields default to (the user's config, as `tuichat ask` has it)."""
-    sampling = sampling or SamplingParams()
+    """`sampling`: the user's config, which a request's own fields override; what neither sets comes from
+    the model's recommendation (backend.chat_sampling), as in `tuichat ask` and the TUI."""
+    sampling = dict(sampling or {})
     metrics = ServerMetrics(lambda: backend.stats())
 
     @asynccontextmanager
@@ -103,16 +104,19 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
         return {"object": "list", "data": [{"id": m.spec, "object": "model", "created": 0, "owned_by": "tuichat"}
                                            for m in listed]}
 
-    def params_of(body: schema.Sampling, max_tokens: int | None) -> SamplingParams:
+    def chosen_of(body: schema.Sampling, max_tokens: int | None) -> dict[str, Any]:
+        """The request's sampling fields over the config's, checked before the model loads."""
         if body.n != 1:
             raise ApiError(400, f"n must be 1: tuichat writes one choice per request, not {body.n}.", "n")
         given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "max_tokens": max_tokens,
-                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                 "stop": (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()) or None}
+        chosen = {**sampling, **{k: v for k, v in given.items() if v is not None}}
         try:
-            return replace(sampling, **{k: v for k, v in given.items() if v is not None}, stop=stop or sampling.stop)
+            chat_sampling({}, chosen)
         except BackendError as exc:
             raise ApiError(400, str(exc)) from None
+        return chosen
 
     async def parsed(request: Request, kind: type[schema.Sampling]):
         try:  # JSON whatever the content type says (curl -d sends a form's), validated as OpenAI's request
@@ -120,14 +124,15 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
 
-    async def reply(body: schema.Sampling, params: SamplingParams, start, request_id: str, path: str, shape):
-        """The response to a completion request: `start(model)` opens the backend's stream of events; `shape` is
-        schema's chat or plain-text builders."""
+    async def reply(body: schema.Sampling, chosen: dict[str, Any], start, request_id: str, path: str, shape):
+        """The response to a completion request: `start(model, params)` opens the backend's stream of events;
+        `shape` is schema's chat or plain-text builders."""
         started = time.monotonic()
         try:
             model = await backend.load(body.model or default_model)
         except BackendError as exc:
             raise _error(exc) from None
+        params = chat_sampling(backend.sampling_defaults(model), chosen)
         events = aiter(start(model, params))
         try:  # the first event, before any byte is sent: a bad prompt is an error status, not a broken stream
             first = await anext(events)
@@ -163,18 +168,18 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parsed(request, schema.ChatRequest)
-        params = params_of(body, body.max_completion_tokens or body.max_tokens)
+        chosen = chosen_of(body, body.max_completion_tokens or body.max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = [m.message() for m in body.messages]
         # A stateless API: every request is its own conversation; LocalBackend finds the turn it continues.
-        return await reply(body, params, lambda model, p: backend.stream(request_id, messages, p, model), request_id,
+        return await reply(body, chosen, lambda model, p: backend.stream(request_id, messages, p, model), request_id,
                            "/v1/chat/completions", _CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parsed(request, schema.CompletionRequest)
         # OpenAI's default for plain completions is 16 tokens.
-        params = params_of(body, body.max_tokens or 16)
+        chosen = chosen_of(body, body.max_tokens or 16)
         for name, given in (("echo", body.echo), ("suffix", body.suffix is not None), ("logprobs", body.logprobs is not None)):
             if given:
                 raise ApiError(400, f"{name} is not supported: leave it out.", name)
@@ -182,7 +187,7 @@ def create_app(backend: Backend, default_model: str, sampling: SamplingParams | 
         if len(prompts) != 1:
             raise ApiError(400, f"prompt must be one string, not a list of {len(prompts)}.", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        return await reply(body, params, lambda model, p: backend.complete(request_id, prompts[0], p, model),
+        return await reply(body, chosen, lambda model, p: backend.complete(request_id, prompts[0], p, model),
                            request_id, "/v1/completions", _TEXT)
 
     return app

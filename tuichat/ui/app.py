@@ -27,7 +27,7 @@ from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from tuichat import paths
-from tuichat.backend import Backend, BackendError
+from tuichat.backend import Backend, BackendError, SamplingParams, chat_sampling
 from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store
@@ -85,7 +85,7 @@ class TuichatApp(App[None]):
         ),
         Binding("f2", "rename", "Rename", tooltip="Rename this conversation", show=False, id="tab.rename"),
         Binding(
-            "f3", "sampling", "Sampling", tooltip="Temperature, top-p, top-k, max tokens and seed of this tab",
+            "f3", "sampling", "Sampling", tooltip="Temperature, top-p, top-k, penalties, max tokens and seed of this tab",
             show=False, id="tab.sampling",
         ),
         Binding("ctrl+o", "pick_model", "Model", tooltip="Pick this tab's model", id="model.pick"),
@@ -146,6 +146,7 @@ class TuichatApp(App[None]):
             ensure_model=self.ensure_model,
             model_name=self.model_name,
             model_state=self.model_state,
+            default_sampling=self.default_sampling,
             system_prompt=config.system_prompt,
             pacer=PaintPacer(),  # one for every tab: they all paint on this thread
             clock=clock,  # tests pass a virtual clock so the meter's numbers are fixed
@@ -198,7 +199,7 @@ class TuichatApp(App[None]):
         return row
 
     def _make_tab(self, row: ConversationRow) -> ChatTab:
-        sampling = stored_sampling(self.store.get_setting(sampling_key(row.id)), self.config.sampling)
+        sampling = stored_sampling(self.store.get_setting(sampling_key(row.id)))
         return ChatTab(
             row.id, row.title, row.model, sampling, self.store.messages(row.id), services=self.tab_services
         )
@@ -339,6 +340,11 @@ class TuichatApp(App[None]):
         if self.backend is None:
             return "engine failed"
         return self._model_states.get(spec, "")
+
+    def default_sampling(self, spec: str) -> SamplingParams:
+        """The config's [sampling] over what the model recommends (known once it is loaded)."""
+        recommended = self.backend.sampling_defaults(self.model_name(spec)) if self.backend else {}
+        return chat_sampling(recommended, self.config.sampling)
 
     def model_name(self, spec: str) -> str:
         return self._canonical.get(spec, spec)

@@ -66,7 +66,7 @@ class ChatTab(TabPane):
         conversation_id: str,
         title: str,
         model: str,
-        sampling: SamplingParams,
+        sampling: SamplingParams | None,
         rows: Sequence[MessageRow] = (),
         *,
         services: TabServices,
@@ -136,6 +136,10 @@ class ChatTab(TabPane):
             knobs.append(f"top-p {sampling.top_p:g}")
         if sampling.top_k:
             knobs.append(f"top-k {sampling.top_k}")
+        if sampling.frequency_penalty:
+            knobs.append(f"freq {sampling.frequency_penalty:g}")
+        if sampling.presence_penalty:
+            knobs.append(f"pres {sampling.presence_penalty:g}")
         knobs.append(f"max {sampling.max_tokens}")
         if sampling.seed is not None:
             knobs.append(f"seed {sampling.seed}")

@@ -167,6 +167,9 @@ class DemoBackend:
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(spec, "embedded", "demo model, canned replies") for spec in self.models]
 
+    def sampling_defaults(self, model: str) -> dict:
+        return {}
+
     async def close(self) -> None:
         pass
 

@@ -170,7 +170,8 @@ class RenameScreen(Dialog):
 
 class SamplingScreen(Dialog):
     """This tab's sampling settings. Enter in any field applies them all, if SamplingParams accepts them
-    (the fields check only that they hold a number); otherwise the dialog stays open and says why."""
+    (the fields check only that they hold a number); otherwise the dialog stays open and says why.
+    Temperature set to 0 is exact greedy: a penalty left as it was shown (the defaults') is turned off."""
 
     def __init__(self, sampling: SamplingParams) -> None:
         super().__init__()
@@ -187,6 +188,8 @@ class SamplingScreen(Dialog):
             ("top_k", "top-k (0 = off)", str(s.top_k), "integer"),
             ("max_tokens", "max tokens", str(s.max_tokens), "integer"),
             ("seed", "seed (empty = random)", seed, "integer"),
+            ("frequency_penalty", "frequency penalty (0 = off)", str(s.frequency_penalty), "number"),
+            ("presence_penalty", "presence penalty (0 = off)", str(s.presence_penalty), "number"),
         ]
         with Vertical(classes="dialog"):
             yield Label("Sampling for this tab")
@@ -206,14 +209,21 @@ class SamplingScreen(Dialog):
         if invalid:
             self._refuse(f"{', '.join(invalid)}: not a number.")
             return
+        temperature = float(values["temperature"])
+        penalties = {}
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = float(values[name])
+            untouched = value == getattr(self.sampling, name)
+            penalties[name] = 0.0 if temperature == 0 != self.sampling.temperature and untouched else value
         try:
             sampling = replace(
                 self.sampling,
-                temperature=float(values["temperature"]),
+                temperature=temperature,
                 top_p=float(values["top_p"]),
                 top_k=int(values["top_k"]),
                 max_tokens=int(values["max_tokens"]),
                 seed=int(values["seed"]) if values["seed"] else None,
+                **penalties,
             )
         except BackendError as error:
             self._refuse(str(error))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from collections.abc import Awaitable, Callable
 
 if TYPE_CHECKING:
-    from tuichat.backend import Backend
+    from tuichat.backend import Backend, SamplingParams
     from tuichat.store import Store
     from tuichat.ui.pacing import PaintPacer
 
@@ -20,6 +20,7 @@ class TabServices:
     ensure_model: Callable[[str], Awaitable[str]]  # loads a model spec once (shared by tabs); its canonical name
     model_name: Callable[[str], str]  # a spec's canonical name once loaded, else the spec
     model_state: Callable[[str], str]  # what the model bar says about a spec ("loading 40% · …"), "" if ready
+    default_sampling: Callable[[str], SamplingParams]  # a model spec's sampling, for a tab given none of its own
     system_prompt: str | None
     pacer: PaintPacer  # one for the app: every tab paints on the same UI thread
     clock: Callable[[], float]  # what latencies are measured on (tests give a virtual one)

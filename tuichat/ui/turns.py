@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 from collections.abc import Iterable, Sequence
 
@@ -24,17 +24,17 @@ def sampling_key(conversation_id: str) -> str:
     return f"sampling.{conversation_id}"
 
 
-def stored_sampling(raw: str | None, default: SamplingParams) -> SamplingParams:
-    """A tab's sampling from the store; anything unreadable or invalid (top_p 0 was once accepted) gives
-    the configured default."""
+def stored_sampling(raw: str | None) -> SamplingParams | None:
+    """The sampling a tab was given in its dialog, from the store; None when it was given none (it follows
+    the defaults), or when what is stored is unreadable or invalid (top_p 0 was once accepted)."""
     if not raw:
-        return default
+        return None
     try:
         data = json.loads(raw)
         data["stop"] = tuple(data.get("stop", ()))
-        return replace(default, **data)
+        return SamplingParams(**data)
     except (ValueError, TypeError, BackendError):
-        return default
+        return None
 
 
 class ReplyView(Protocol):
@@ -69,12 +69,22 @@ class TurnRunner:
     """One conversation's dealings with the store and the backend. Its model and sampling are read when a
     turn needs them, so a change made while a model loads applies to the reply waiting for it."""
 
-    def __init__(self, conversation_id: str, model: str, sampling: SamplingParams, services: TabServices) -> None:
+    def __init__(self, conversation_id: str, model: str, sampling: SamplingParams | None,
+                 services: TabServices) -> None:
+        """`sampling`: what the tab was given in its dialog; None follows the defaults for its model."""
         self.conversation_id = conversation_id
         self.model = model
-        self.sampling = sampling
+        self.chosen = sampling
         self._services = services
         self.stop_requested = False
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.chosen or self._services.default_sampling(self.model)
+
+    @sampling.setter
+    def sampling(self, sampling: SamplingParams) -> None:
+        self.chosen = sampling
 
     # --- the conversation's record ------------------------------------------------------------------
 
@@ -86,7 +96,7 @@ class TurnRunner:
         self._services.store.set_model(self.conversation_id, model)
 
     def set_sampling(self, sampling: SamplingParams) -> None:
-        self.sampling = sampling
+        self.chosen = sampling
         data = asdict(sampling)
         data["stop"] = list(sampling.stop)
         self._services.store.set_setting(sampling_key(self.conversation_id), json.dumps(data))
