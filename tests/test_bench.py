@@ -189,15 +189,15 @@ needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None,
                                         reason="no llama-server: set TUICHAT_LLAMA_SERVER or put one on PATH")
 
 
-def record_servers(monkeypatch) -> list:
+def record_servers(monkeypatch, kind=bench.LlamaServerPeer) -> list:
     servers = []
-    init = bench.LlamaServerPeer.__init__
+    init = kind.__init__
 
     def recording(self, *args, **kwargs):
         servers.append(self)
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(bench.LlamaServerPeer, "__init__", recording)
+    monkeypatch.setattr(kind, "__init__", recording)
     return servers
 
 
@@ -237,6 +237,39 @@ def test_llama_server_peer_on_loopback(embedded, session_cache, monkeypatch):
         reference.close()
     assert single["replies"][0] == expected and expected
     assert reference.process.poll() is not None
+
+
+def test_the_tabs_through_tuichat_serve(embedded, session_cache, monkeypatch):
+    """The same engine behind a real `tuichat serve`: the tabs' figures and the HTTP-against-in-process targets
+    are there, the streamed reply parsed is the server's own non-streamed one, and the server is gone after."""
+    from tuichat.bench.peers.serve import ServePeer
+
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    servers = record_servers(monkeypatch, ServePeer)
+    settings = bench.BenchSettings.make(True, scenarios=("tabs",), peers=("tuichat_serve",), **TINY)
+    result = bench.run_bench(settings, io.StringIO(), show_progress=False)
+    assert len(servers) == 1 and servers[0].process.poll() is not None  # started once, stopped
+    assert servers[0].command[-2:] == ["--kv-cache-mb", str(settings.default_kv_cache_mb)]  # the bench's options
+    served = result["scenarios"]["tabs"]["peers"]["tuichat_serve"]
+    assert served["requests"] == TINY["tabs"] and positive(served["tokens_per_s"]) and positive(served["ttft_ms_p50"])
+    assert all(t["value"] is not None for t in result["targets"] if "tuichat serve" in t["name"])
+    assert "tuichat_serve" in bench.render(result)
+
+    question = [Message("user", bench.QUESTIONS[0])]
+    peer = ServePeer(settings.model, settings.engine_options(), question)
+    try:
+        streamed = peer.generate(question, 12)
+        body = {"model": settings.model, "messages": [{"role": "user", "content": bench.QUESTIONS[0]}],
+                "temperature": 0, "max_tokens": 12}
+        request = urllib.request.Request(f"http://127.0.0.1:{peer.port}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            whole = json.loads(response.read())
+    finally:
+        peer.close()
+    assert streamed.text == whole["choices"][0]["message"]["content"] and streamed.text
+    assert streamed.tokens == whole["usage"]["completion_tokens"] and streamed.cached_tokens > 0  # the warm-up's prefix
+    assert peer.process.poll() is not None
 
 
 @needs_llama_server
@@ -293,13 +326,15 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         single["tuichat"]["tpot_ms"] / run[0]["floor"]["tuichat"]["decode_step_ms"],
     ]
     targets = run[0]["targets"]
-    measured = [t for t in targets if "llama_cpp" not in t["name"]]
+    measured = [t for t in targets if "llama_cpp" not in t["name"] and "tuichat serve" not in t["name"]]
     assert [t["value"] for t in measured] == pytest.approx(expected)
     for t in measured:  # reported, not asserted: whichever way it went, `ok` says so
         op, bound = t["target"].split()
         assert t["ok"] is (t["value"] >= float(bound) if op == ">=" else t["value"] <= float(bound)), t["name"]
     llama = [t for t in targets if "llama_cpp" in t["name"]]  # no llama-server in this run: nothing to say
     assert len(llama) == 3 and all(t["value"] is None and t["ok"] is None for t in llama)
+    served = [t for t in targets if "tuichat serve" in t["name"]]  # nor tuichat serve (its own test runs it)
+    assert len(served) == 2 and all(t["value"] is None and t["ok"] is None for t in served)
 
 
 def test_table_renders_every_scenario_and_the_progress_went_to_stderr(run):

@@ -25,6 +25,10 @@ def _get(data: dict, path: str) -> Any:
     return data
 
 
+def _minus(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, reported (never asserted): value, bound, and whether it holds."""
     sc = result.get("scenarios", {})
@@ -42,6 +46,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
          ratio(_get(single, "tuichat.decode_tokens_per_s"), _get(single, "peers.llama_cpp.decode_tokens_per_s")), ">=", 1.0),
         ("single: TTFT ÷ llama_cpp", ratio(_get(single, "tuichat.ttft_ms"), _get(single, "peers.llama_cpp.ttft_ms")), "<=", 0.5),
         ("tabs: continuous tok/s ÷ llama_cpp (parallel slots)", _get(tabs, "peers.llama_cpp.tuichat_over"), ">=", 3.0),
+        ("tabs: over HTTP (tuichat serve) ÷ in process, tok/s",
+         ratio(_get(tabs, "peers.tuichat_serve.tokens_per_s"), _get(tabs, "tuichat.tokens_per_s")), ">=", 0.9),
+        ("tabs: over HTTP (tuichat serve) - in process, TTFT p50 ms",
+         _minus(_get(tabs, "peers.tuichat_serve.ttft_ms_p50"), _get(tabs, "tuichat.ttft_ms_p50")), "<=", 15.0),
         ("single: decode step (TPOT, batch 1) ÷ its bytes-read floor",
          ratio(_get(single, "tuichat.tpot_ms"), _get(result, "floor.tuichat.decode_step_ms")), "<=", 1.5),
     ]

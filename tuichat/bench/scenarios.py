@@ -39,6 +39,7 @@ from tuichat.bench.corpus import (
 from tuichat.bench.floor import measure_bandwidth, step_floor
 from tuichat.bench.peers.hf import HFPeer
 from tuichat.bench.peers.llama_server import LlamaServerPeer, find_llama_server
+from tuichat.bench.peers.serve import ServePeer
 from tuichat.bench.peers.tuichat import _Tuichat, run_tabs, stream_once
 from tuichat.bench.progress import Progress
 from tuichat.bench.report import targets
@@ -84,6 +85,7 @@ class _Run:
         self.peer: HFPeer | None = None
         self.bandwidth: float | None = None
         self.llama: LlamaServerPeer | None = None
+        self.serve: ServePeer | None = None
         self.llama_skip: str | None = None
         self.latest: _Tuichat | None = None
 
@@ -117,6 +119,16 @@ class _Run:
             return work(self.llama)
         except (BackendError, OSError, KeyError, ValueError) as exc:
             return {"skipped": f"llama-server failed: {exc}"}
+
+    def with_serve(self, work: Callable[[ServePeer], dict[str, Any]]) -> dict[str, Any]:
+        """work(`tuichat serve` on the same model and options), or {"skipped": why}; started once, always stopped."""
+        try:
+            if self.serve is None:
+                self.serve = ServePeer(self.settings.model, self.settings.engine_options(),
+                                       [Message("user", WARMUP_QUESTION)])
+            return work(self.serve)
+        except (BackendError, OSError, KeyError, ValueError) as exc:
+            return {"skipped": f"tuichat serve failed: {exc}"}
 
     def ids(self, messages: Sequence[Message]) -> list[int]:
         return chat_ids(self.peer.tokenizer, messages)
@@ -218,6 +230,10 @@ class _Run:
                     peers[name] = self.with_llama(lambda llama: {
                         **summarize(*llama.tabs(prompts, s.tab_tokens, stagger)),
                         "note": f"llama-server with {s.tabs} parallel slots, each tab on its own connection"})
+                elif name == "tuichat_serve":
+                    peers[name] = self.with_serve(lambda serve: {
+                        **summarize(*serve.tabs(conversations, s.tab_tokens, stagger)),
+                        "note": "the same engine behind tuichat serve, each tab an HTTP client on its own connection"})
         ours = modes["continuous"]
         for peer in list(modes.values()) + list(peers.values()):
             peer["tuichat_over"] = ratio(ours["tokens_per_s"], peer.get("tokens_per_s"))
@@ -376,8 +392,9 @@ class _Run:
 
     def close(self) -> None:
         try:
-            if self.llama is not None:
-                self.llama.close()
+            for server in (self.llama, self.serve):
+                if server is not None:
+                    server.close()
         finally:
             if self.peer is not None:
                 self.peer.close()

@@ -20,7 +20,7 @@ from tuichat.backend import BackendError, EngineOptions
 
 
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference")
-PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp")
+PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp", "tuichat_serve")
 MODES = ("continuous", "static", "off")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -77,18 +78,7 @@ def create_app(backend: Backend, default_model: str, sampling: Mapping[str, Any]
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(schema.error_body(str(exc.detail), code=str(exc.status_code)), exc.status_code)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        started = time.monotonic()
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(schema.error_body("Incorrect or missing API key: send Authorization: Bearer KEY.",
-                                                      code="invalid_api_key"), 401)
-        response = await call_next(request)
-        if request.url.path not in ("/v1/chat/completions", "/v1/completions"):  # those log when their reply ends
-            log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
-                     (time.monotonic() - started) * 1000)
-        return response
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.get("/health")
     async def health() -> dict:
@@ -191,6 +181,44 @@ def create_app(backend: Backend, default_model: str, sampling: Mapping[str, Any]
                            request_id, "/v1/completions", _TEXT)
 
     return app
+
+
+class _Guard:
+    """The API key on /v1/, and the log line of the requests that are not completions (those log when their
+    reply ends), as plain ASGI: Starlette's BaseHTTPMiddleware would carry every streamed chunk through a
+    queue and another task."""
+
+    _COMPLETIONS = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, started = scope["path"], time.monotonic()
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = JSONResponse(schema.error_body("Incorrect or missing API key: send Authorization: Bearer KEY.",
+                                                         code="invalid_api_key"), 401)
+                await refusal(scope, receive, send)
+                return
+        if path in self._COMPLETIONS:
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, sending)
+        log.info("%s %s %d %.0f ms", scope["method"], path, status, (time.monotonic() - started) * 1000)
 
 
 class _Shape:

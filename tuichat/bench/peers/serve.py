@@ -1,0 +1,84 @@
+"""tuichat's own engine behind `tuichat serve`, in its own process on loopback: the same model and engine
+options as the in-process runs, the tabs as concurrent HTTP clients (each its own thread and connection,
+streaming /v1/chat/completions, parsing each SSE line with json.loads as vLLM's serving benchmark does), so
+the tabs table shows what the HTTP layer costs against the same engine in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import fields
+from collections.abc import Sequence
+
+from tuichat.backend import BackendError, EngineOptions, Message
+from tuichat.bench.peers.loopback import LoopbackServer
+from tuichat.bench.stats import RequestResult
+
+
+# The engine options the command line takes; the others come from the config.toml the server reads, as the
+# bench's did.
+_FLAGS = ("device", "dtype", "kv_cache_mb", "batching", "prefix_cache", "tp", "device_map", "quant")
+
+
+def engine_flags(options: EngineOptions) -> list[str]:
+    """`options` as `tuichat serve`'s engine flags (those left at their defaults are left out)."""
+    flags = []
+    for field in fields(EngineOptions):
+        value = getattr(options, field.name)
+        if field.name not in _FLAGS or value is None or value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+class ServePeer(LoopbackServer):
+    name = "tuichat serve"
+
+    def __init__(self, model: str, options: EngineOptions, warmup: Sequence[Message],
+                 ready_timeout_s: float = 300.0) -> None:
+        self.model = model
+        env = {k: v for k, v in os.environ.items() if k != "TUICHAT_API_KEY"}
+        super().__init__(lambda port: [sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--model", model,
+                                       "--log-level", "warning", *engine_flags(options)], env, ready_timeout_s)
+        try:
+            self.generate(warmup, 4)  # like every other system's warm-up
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, messages: Sequence[Message], max_tokens: int) -> RequestResult:
+        """One streamed greedy reply; the usage chunk gives the tokens (EOS included) and the cache hit."""
+        body = {"model": self.model, "messages": [{"role": m.role, "content": m.content} for m in messages],
+                "temperature": 0, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        result = RequestResult(submitted=time.perf_counter())
+        times, pieces, usage, finish = [], [], None, None
+        with self._post("/v1/chat/completions", body) as response:
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise BackendError(f"tuichat serve: {chunk['error'].get('message')}")
+                for choice in chunk["choices"]:
+                    if text := choice["delta"].get("content"):
+                        times.append(time.perf_counter())
+                        pieces.append(text)
+                    finish = choice.get("finish_reason") or finish
+                usage = chunk.get("usage") or usage
+        result.finished = time.perf_counter()
+        if usage is None:
+            raise BackendError("tuichat serve ended a reply without its usage chunk")
+        result.set_token_times(times)
+        result.tokens = usage["completion_tokens"]
+        result.prompt_tokens = usage["prompt_tokens"]
+        result.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        result.finish_reason = finish
+        result.text = "".join(pieces)
+        return result
+
+    def tabs(self, conversations: Sequence[Sequence[Message]], max_tokens: int,
+             stagger_s: float) -> tuple[list[RequestResult], float]:
+        return self.concurrently(lambda i: self.generate(conversations[i], max_tokens), len(conversations), stagger_s)
