@@ -72,6 +72,13 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
             data.append(value[1:] if value.startswith(" ") else value)
 
 
+def _stop(reader: asyncio.Task) -> None:
+    """Cancel the exchange once: a second cancel would land in httpx's closing of the response (its shield is
+    anyio's, which a plain task.cancel() passes through) and leave the connection open, the request running."""
+    if not reader.cancelling():
+        reader.cancel()
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     seen = []
     while exc is not None and exc not in seen:
@@ -210,7 +217,7 @@ class RemoteBackend:
         entry = self._in_flight.get(conversation_id)
         if entry is not None:
             reader, queue = entry
-            reader.cancel()
+            _stop(reader)
             queue.put_nowait(("cancelled", time.monotonic(), None))
 
     async def _events(self, conversation_id: str, path: str, body: dict) -> AsyncIterator[StreamEvent]:
@@ -247,7 +254,7 @@ class RemoteBackend:
                     error = f"{self.who}: the stream ended mid-reply (no finish_reason, no [DONE])."
                 break
         finally:
-            reader.cancel()
+            _stop(reader)
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             if self._in_flight.get(conversation_id, (None,))[0] is reader:
@@ -372,7 +379,7 @@ class RemoteBackend:
 
     async def close(self) -> None:
         for reader, _ in list(self._in_flight.values()):
-            reader.cancel()
+            _stop(reader)
         if self._metrics_task is not None:
             self._metrics_task.cancel()
         http, self._http = self._http, None
