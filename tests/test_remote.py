@@ -334,6 +334,21 @@ async def test_a_failed_remote_tab_keeps_its_partial_reply_and_the_other_tab_wor
         assert last_row(app, second).meta["cached_tokens"] == 4
 
 
+def test_bench_runs_single_tabs_and_multiturn_over_the_wire(faulty):
+    from click.testing import CliRunner
+
+    from tuichat.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--base-url", faulty, "--model", "ok", "--quick", "--tabs", "2",
+                                       "--turns", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.splitlines()[-1])
+    assert data["model"] == "remote:ok" and set(data["scenarios"]) == {"single", "tabs", "multiturn"}
+    assert data["scenarios"]["tabs"]["requests"] == 2 and data["scenarios"]["tabs"]["tokens_per_s"] > 0
+    assert [t["cached_tokens"] for t in data["scenarios"]["multiturn"]["turns"]] == [4, 4]
+    assert any("peers skipped: hf_generate" in note for note in data["notes"])
+
+
 def test_endpoints_are_read_from_the_config_with_a_warning_for_each_mistake(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text('''model = "lab:qwen"

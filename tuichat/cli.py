@@ -303,17 +303,25 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Save charts to this PNG (needs the 'plot' extra: matplotlib).")
+@remote_options
 @engine_options
 @click.pass_context
 def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, peers, llama_server, as_json, plot_path,
-          **engine_flags):
+          base_url, api_key_env, **engine_flags):
     """Measure streaming, batching and caching here, next to transformers and llama.cpp's llama-server.
 
     The table (or --json) goes to stdout, the progress bar to stderr. Each scenario sets --batching and
-    --prefix-cache itself (it compares them); the other engine options apply to every engine."""
+    --prefix-cache itself (it compares them); the other engine options apply to every engine. With a remote
+    model (NAME:MODEL, --base-url), single, tabs and multiturn run over the wire, without the peers."""
     from tuichat import bench as bench_module
+    from tuichat.endpoints import split_spec
 
     config, _ = _load_config()
+    wanted = model or ctx.obj.get("model")
+    if base_url or ctx.obj.get("base_url") or split_spec(wanted or "", [e.name for e in config.endpoints]):
+        _bench_remote(ctx, config, wanted, base_url, api_key_env, quick, scenarios, tabs, stagger_ms, turns,
+                      max_tokens, peers, as_json)
+        return
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
     try:
         caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
@@ -330,6 +338,24 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
             **caps,
         )
         bench_module.main(settings, as_json=as_json, plot_path=plot_path)
+    except BackendError as exc:
+        _fail(str(exc))
+
+
+def _bench_remote(ctx, config, model, base_url, api_key_env, quick, scenarios, tabs, stagger_ms, turns, max_tokens,
+                  peers, as_json) -> None:
+    from tuichat import bench as bench_module
+    from tuichat.bench import remote
+
+    backend, spec = _backend(ctx, config, EngineOptions(), model, base_url, api_key_env)
+    try:
+        caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
+        settings = bench_module.BenchSettings.make(
+            quick, model=spec, scenarios=bench_module.parse_list(scenarios, bench_module.SCENARIOS, "scenario"),
+            peers=bench_module.parse_list(peers, bench_module.PEERS, "peer"), tabs=tabs, stagger_ms=stagger_ms,
+            turns=turns, **caps)
+        endpoint = backend.endpoints[spec.partition(":")[0]].base_url
+        remote.main(settings, backend, spec, endpoint, as_json, sys.stdout)
     except BackendError as exc:
         _fail(str(exc))
 
