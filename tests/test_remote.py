@@ -76,7 +76,7 @@ def test_ask_streams_a_remote_reply_equal_to_the_local_one(server, embedded, use
     question = "What is 2 + 2? Answer in one sentence."
     env = {**os.environ, KEY_ENV: SERVE_KEY}
     result = subprocess.run([sys.executable, "-m", "tuichat", "ask", "--base-url", server, "--api-key-env", KEY_ENV,
-                             "--model", "smollm2-135m", "--max-tokens", "24", question],
+                             "--model", "smollm2-135m", "--temperature", "0", "--max-tokens", "24", question],
                             env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected(embedded, question, 24)
@@ -109,7 +109,7 @@ def test_cached_tokens_rise_on_the_second_turn(server):
 
 
 def remote_app(endpoints: list[Endpoint], model: str, max_tokens: int = 16) -> TuichatApp:
-    config = Config(model=model, endpoints=endpoints, sampling=SamplingParams(max_tokens=max_tokens))
+    config = Config(model=model, endpoints=endpoints, sampling={"temperature": 0.0, "max_tokens": max_tokens})
     router = Router(LocalBackend(), endpoints, model)
     app = TuichatApp(lambda: router, config, Store())
     app.animation_level = "none"
