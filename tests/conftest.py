@@ -5,11 +5,12 @@ tests import are in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import CONVERSION_STAGES, CPU_BUILDS
+from tests.helpers import CONVERSION_STAGES, CPU_BUILDS, SERVE_KEY, free_port, server_process
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may wait on a network that is not there
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,3 +78,17 @@ def embedded(session_cache):
     finally:
         mp.undo()
     return resolved, model, reference, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(embedded, session_cache, tmp_path_factory):
+    """`tuichat serve` as a user runs it: a real subprocess on a loopback port, the embedded model in float32
+    (exact: its greedy replies are transformers' own), API key SERVE_KEY. Ready (its /health answers once the
+    model is loaded), always stopped; its root URL."""
+    home = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    env = {**os.environ, "TUICHAT_CACHE_DIR": str(session_cache), "TUICHAT_CONFIG_DIR": str(home / "config"),
+           "TUICHAT_DATA_DIR": str(home / "data"), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--api-key", SERVE_KEY, "--dtype", "float32"]
+    with server_process(argv, port, home / "serve.log", env, "tuichat serve") as base:
+        yield base

@@ -4,8 +4,11 @@ the packed engines' prompts and measures. Imported as `from tests.helpers import
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import socket
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +33,65 @@ def wait_until(condition, what: str = "condition", *, timeout: float = 30.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+SERVE_KEY = "sk-tuichat-test"  # the API key of conftest's `tuichat serve`
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def loopback_server(app):
+    """An ASGI app served by uvicorn on a thread, on 127.0.0.1 at a free port; its base URL, and always stopped
+    (requests still open are cut after a second)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, name="loopback-server")
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), "the loopback server to start", timeout=30)
+        assert server.started, "the loopback server did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def server_process(argv: list[str], port: int, log: Path, env: dict[str, str], what: str, timeout: float = 180):
+    """A server started as its own process on 127.0.0.1:`port`, ready once its /health answers 200; its root
+    URL. Always stopped; its output goes to `log`, and is shown if it exits early."""
+    import subprocess
+
+    import httpx
+
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w+") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+        def ready() -> bool:
+            assert process.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
+            try:
+                return httpx.get(f"{base}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_until(ready, f"{what} to load its model", timeout=timeout)
+            yield base
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 # tuichat's CPU kernels as built for this CPU, for Zen 4-like CPUs (AVX-512 with BF16, no AMX) and for most

@@ -80,9 +80,19 @@ def test_the_shared_modules_know_only_the_engines_vocabulary():
     """The protocol, the store, the config and the catalog are imported by the UI: of the engine they may know
     its types, never its machinery, and nothing heavy."""
     shared = ("tuichat.backend", "tuichat.store", "tuichat.config", "tuichat.catalog", "tuichat.paths",
-              "tuichat.locks", "tuichat.themes", "tuichat.cli")
+              "tuichat.locks", "tuichat.themes", "tuichat.cli", "tuichat.endpoints")
     assert violations(lambda m, n: m in shared and (
         within(n, *HEAVY) or (within(n, "tuichat.engine") and existing(n) and n not in VOCABULARY))) == []
+
+
+def test_the_remote_side_is_plain_http():
+    """A remote engine needs neither torch nor the engine: RemoteBackend and the router run on a machine that only
+    talks to a server. The config and the UI read endpoints without importing HTTP."""
+    remote = ("tuichat.remote", "tuichat.backends")
+    assert violations(lambda m, n: m in remote and (
+        within(n, *HEAVY) or (within(n, "tuichat.engine") and existing(n) and n not in VOCABULARY))) == []
+    assert violations(lambda m, n: within(m, "tuichat.endpoints", "tuichat.config", "tuichat.ui")
+                      and within(n, "httpx", "tuichat.remote")) == []
 
 
 def test_only_the_local_backend_and_the_benchs_peers_reach_into_the_engine():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,48 +15,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import SERVE_KEY as KEY
 from tests.helpers import hf_greedy, template_ids, wait_until
 from tuichat.backend import Message, SamplingParams
-
-KEY = "sk-tuichat-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(embedded, session_cache, tmp_path_factory):
-    """The server, ready (its /health answers once the model is loaded), always stopped; its base URL."""
-    home = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    env = {**os.environ, "TUICHAT_CACHE_DIR": str(session_cache), "TUICHAT_CONFIG_DIR": str(home / "config"),
-           "TUICHAT_DATA_DIR": str(home / "data"), "HF_HUB_OFFLINE": "1"}
-    log = open(home / "serve.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--api-key", KEY,
-                                "--dtype", "float32"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert process.poll() is None, f"tuichat serve exited:\n{(home / 'serve.log').read_text()}"
-        try:
-            return httpx.get(f"{base}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(ready, "tuichat serve to load its model", timeout=180)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-
 
 def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from tuichat.engine.types import (EngineError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
                                   ResolvedModel, SamplingParams, ServingOptions, Usage)
 
-__all__ = ["CHAT_SAMPLING", "Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message", "ModelInfo",
-           "ModelNotFound", "ProgressCallback", "PromptTooLong", "ResolvedModel", "Role", "SamplingParams", "StreamEvent", "Usage"]
+__all__ = ["CHAT_SAMPLING", "Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message",
+           "ModelInfo", "ModelNotFound", "ProgressCallback", "PromptTooLong", "RemoteStats", "ResolvedModel", "Role",
+           "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
 # One error type for what the user can act on, whoever raises it: a front end, a remote backend or the engine.
@@ -91,9 +92,25 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class RemoteStats(EngineStats):
+    """A remote engine's state as its Prometheus /metrics tells it (vLLM's names, SGLang's, llama.cpp's);
+    None where the server reports nothing. `device` is the server's base URL."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_fraction: float | None = None  # share of the server's KV cache in use
+    prefix_hit_rate: float | None = None
+    note: str = ""  # why nothing is reported (no /metrics, unreachable, not read yet)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_fraction or 0.0
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     spec: str  # what `--model` accepts
-    kind: Literal["embedded", "converted", "local", "hf-cache", "config"]
+    kind: Literal["embedded", "converted", "local", "hf-cache", "config", "remote"]
     description: str = ""
 
 

@@ -35,6 +35,28 @@ def engine_options(func):
     return func
 
 
+def remote_options(func):
+    """A server to talk to without config (the TUI, ask, bench)."""
+    func = click.option("--api-key-env", default="OPENAI_API_KEY", show_default=True,
+                        help="The environment variable that holds --base-url's API key (sent as a bearer token).")(func)
+    return click.option("--base-url", default=None,
+                        help="An OpenAI-compatible server (http://HOST:PORT/v1) to use without config: --model is "
+                             "then its model id (default: its first).")(func)
+
+
+def _backend(ctx: click.Context, config, options: EngineOptions, model: str | None, base_url: str | None,
+             api_key_env: str | None):
+    """(the Router over the local engine and the endpoints, the model spec to start with); exits on a bad URL."""
+    from tuichat.backends import build
+    from tuichat.endpoints import url_problem
+
+    base_url = base_url or ctx.obj.get("base_url")
+    if base_url is not None and (problem := url_problem(base_url)):
+        _fail(f"--base-url {problem}.")
+    return build(options, model or ctx.obj.get("model"), config.model, config.endpoints, config.models, base_url,
+                 api_key_env or ctx.obj.get("api_key_env"))
+
+
 def _merge_options(base: EngineOptions, **given) -> EngineOptions:
     from dataclasses import replace
 
@@ -87,11 +109,13 @@ def _main_help() -> str:
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]},
              help=_main_help())
-@click.option("--model", "-m", default=None, help="Model for new tabs: smollm2-135m, a folder, a .gguf, a hub id.")
+@click.option("--model", "-m", default=None,
+              help="Model for new tabs: smollm2-135m, a folder, a .gguf, a hub id, or NAME:MODEL of a config endpoint.")
+@remote_options
 @engine_options
 @click.pass_context
-def main(ctx: click.Context, model, **engine_flags) -> None:
-    ctx.obj = {"model": model, "engine_flags": engine_flags}
+def main(ctx: click.Context, model, base_url, api_key_env, **engine_flags) -> None:
+    ctx.obj = {"model": model, "engine_flags": engine_flags, "base_url": base_url, "api_key_env": api_key_env}
     if ctx.invoked_subcommand is not None:
         return
     from tuichat.store import Store
@@ -99,16 +123,8 @@ def main(ctx: click.Context, model, **engine_flags) -> None:
 
     config, warnings = _load_config()
     options = _merge_options(config.engine, **engine_flags)
-    default_model = model or config.model
-    if model:
-        config.model = model
-
-    def backend_factory():
-        from tuichat.local import LocalBackend
-
-        return LocalBackend(options, default_model, config.models)
-
-    run_tui(backend_factory, config, Store(), warnings)
+    backend, config.model = _backend(ctx, config, options, model, base_url, api_key_env)
+    run_tui(lambda: backend, config, Store(), warnings)
 
 
 @main.command()
@@ -137,10 +153,11 @@ def paths() -> None:
               help="Lower a token's logit by this times its count in the reply (OpenAI's; 0 is off).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming.")
+@remote_options
 @engine_options
 @click.pass_context
 def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed, presence_penalty, frequency_penalty,
-        stop, as_json, **engine_flags):
+        stop, as_json, base_url, api_key_env, **engine_flags):
     """Answer PROMPT (`-` reads stdin), streaming the reply to stdout and stats to stderr."""
     # Checked before anything loads: a bad prompt or setting fails in milliseconds, not after the model.
     prompt = _utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else _utf8(prompt, "the prompt")
@@ -149,8 +166,8 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     if system is not None:
         system = _utf8(system, "--system")
     config, _ = _load_config()
-    model = model or ctx.obj.get("model") or config.model
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    backend, model = _backend(ctx, config, options, model, base_url, api_key_env)
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     system = system if system is not None else config.system_prompt
@@ -158,7 +175,7 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     chosen = {**config.sampling, **{k: v for k, v in given.items() if v is not None}, **({"stop": stop} if stop else {})}
     try:
         chat_sampling({}, chosen)  # a value out of range fails before the model loads
-        asyncio.run(_ask(model, options, messages, chosen, as_json))
+        asyncio.run(_ask(model, options, messages, chosen, as_json, backend))
     except BackendError as exc:
         _fail(str(exc))
 
@@ -169,10 +186,7 @@ def stderr_progress(what: str, fraction: float | None) -> None:
     print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)
 
 
-async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_json: bool) -> None:
-    from tuichat.local import LocalBackend
-
-    backend = LocalBackend(options, model)
+async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_json: bool, backend) -> None:
     try:
         name = await backend.load(model, stderr_progress)
         params = chat_sampling(backend.sampling_defaults(name), chosen)
@@ -186,7 +200,11 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             last = event
         usage = last.usage
         if last.error:
-            raise BackendError(last.error)
+            if as_json:  # the partial reply, marked
+                click.echo(json.dumps({"text": "".join(text), "model": name, "error": last.error}))
+            elif text:
+                click.echo()
+            raise BackendError(f"the reply above is partial: {last.error}" if text and not as_json else last.error)
         stats = backend.stats(name)
         result = {
             "text": "".join(text),
@@ -217,7 +235,7 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             served, paren, why = stats.weights.partition(" (")  # "bfloat16 (int8 needs the C layers: ...)"
             weights = f" · {served} weights{paren}{why}" if stats.weights not in ("", stats.dtype) else ""
             click.echo(
-                f"[{name} · {stats.device} {stats.dtype}{weights}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
+                f"[{name} · {' '.join(filter(None, (stats.device, stats.dtype)))}{weights}] TTFT {ttft} · {tps} · {usage.prompt_tokens} prompt "
                 f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens · "
                 f"finish: {usage.finish_reason} · wall {time.monotonic() - started:.2f} s",
                 err=True,
@@ -285,17 +303,25 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Save charts to this PNG (needs the 'plot' extra: matplotlib).")
+@remote_options
 @engine_options
 @click.pass_context
 def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, peers, llama_server, as_json, plot_path,
-          **engine_flags):
+          base_url, api_key_env, **engine_flags):
     """Measure streaming, batching and caching here, next to transformers and llama.cpp's llama-server.
 
     The table (or --json) goes to stdout, the progress bar to stderr. Each scenario sets --batching and
-    --prefix-cache itself (it compares them); the other engine options apply to every engine."""
+    --prefix-cache itself (it compares them); the other engine options apply to every engine. With a remote
+    model (NAME:MODEL, --base-url), single, tabs and multiturn run over the wire, without the peers."""
     from tuichat import bench as bench_module
+    from tuichat.endpoints import split_spec
 
     config, _ = _load_config()
+    wanted = model or ctx.obj.get("model")
+    if base_url or ctx.obj.get("base_url") or split_spec(wanted or "", [e.name for e in config.endpoints]):
+        _bench_remote(ctx, config, wanted, base_url, api_key_env, quick, scenarios, tabs, stagger_ms, turns,
+                      max_tokens, peers, as_json)
+        return
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
     try:
         caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
@@ -312,6 +338,24 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
             **caps,
         )
         bench_module.main(settings, as_json=as_json, plot_path=plot_path)
+    except BackendError as exc:
+        _fail(str(exc))
+
+
+def _bench_remote(ctx, config, model, base_url, api_key_env, quick, scenarios, tabs, stagger_ms, turns, max_tokens,
+                  peers, as_json) -> None:
+    from tuichat import bench as bench_module
+    from tuichat.bench import remote
+
+    backend, spec = _backend(ctx, config, EngineOptions(), model, base_url, api_key_env)
+    try:
+        caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
+        settings = bench_module.BenchSettings.make(
+            quick, model=spec, scenarios=bench_module.parse_list(scenarios, bench_module.SCENARIOS, "scenario"),
+            peers=bench_module.parse_list(peers, bench_module.PEERS, "peer"), tabs=tabs, stagger_ms=stagger_ms,
+            turns=turns, **caps)
+        endpoint = backend.endpoints[spec.partition(":")[0]].base_url
+        remote.main(settings, backend, spec, endpoint, as_json, sys.stdout)
     except BackendError as exc:
         _fail(str(exc))
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from tuichat import paths
 from tuichat.backend import EngineOptions
+from tuichat.endpoints import Endpoint, read_endpoints
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Config:
     engine: EngineOptions = field(default_factory=EngineOptions)
     keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, for Textual's App.set_keymap
     models: list[str] = field(default_factory=list)  # extra model specs listed in the model picker
+    endpoints: list[Endpoint] = field(default_factory=list)  # remote OpenAI-compatible servers (NAME:MODEL specs)
 
 
 def config_path() -> Path:
@@ -49,6 +51,12 @@ DEFAULT_CONFIG_TOML = """\
 
 # More models to list in the model picker, next to the ones tuichat finds by itself.
 # models = ["HuggingFaceTB/SmolLM2-360M-Instruct", "~/models/qwen2.5-0.5b-instruct"]
+
+# Remote OpenAI-compatible servers (vLLM, SGLang, llama.cpp, Ollama, another tuichat serve): a model spec
+# NAME:MODEL_ID then runs there, e.g. --model lab:Qwen/Qwen2.5-72B-Instruct. The key is read from the environment
+# variable api_key_env names (never written here); headers and timeout (seconds) are optional. One [[endpoints]]
+# table per server works too.
+# endpoints = [{ name = "lab", base_url = "http://gpu-box:8000/v1", api_key_env = "LAB_API_KEY", timeout = 60 }]
 
 # Sent at the start of every conversation. Unset: no system prompt.
 # system_prompt = "You are a concise assistant."
@@ -244,13 +252,17 @@ class _Reader:
                     self.warn(f'"{name}" must be a [{name}] table, not {_show(value)}; using the defaults.')
             elif name in _TOP_LEVEL:
                 top[name] = value
+            elif name == "endpoints":
+                top[name] = read_endpoints(value, self.warn)
             elif name in _SAMPLING or name in _ENGINE:
                 table = "sampling" if name in _SAMPLING else "engine"
                 self.warn(f'"{name}" ignored: it belongs under [{table}], after the top-level settings.')
             else:
-                self.unknown(name, [*_TOP_LEVEL, *_TABLES])
+                self.unknown(name, [*_TOP_LEVEL, *_TABLES, "endpoints"])
+        endpoints = top.pop("endpoints", [])
         return Config(
             **self.table(top, _TOP_LEVEL),
+            endpoints=endpoints,
             sampling=self.table(tables.get("sampling", {}), _SAMPLING, "sampling."),
             engine=EngineOptions(**self.table(tables.get("engine", {}), _ENGINE, "engine.")),
             keymap=self.keymap(tables.get("keymap", {})),

@@ -607,7 +607,7 @@ class TuichatApp(App[None]):
             panel.show(None, None, self._backend_error or "starting the engine…")
             return
         try:
-            stats = self.backend.stats(self._canonical.get(tab.model))
+            stats = self.backend.stats(self._canonical.get(tab.model, tab.model))
         except Exception as error:  # stats of a model that failed to load, for one
             panel.show(None, None, str(error))
             return

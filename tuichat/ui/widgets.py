@@ -14,7 +14,7 @@ from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Sparkline, Static, TextArea
 
-from tuichat.backend import EngineStats, Usage
+from tuichat.backend import EngineStats, RemoteStats, Usage
 
 if TYPE_CHECKING:
     from tuichat.ui.pacing import PaintPacer
@@ -295,6 +295,36 @@ class EnginePanel(Vertical):
             for id_ in ("sched", "kv", "prefix", "turn"):
                 self.query_one(f"#engine-{id_}", Static).update("")
             return
+        if isinstance(stats, RemoteStats):
+            self._show_remote(stats)
+        else:
+            self._show_local(stats)
+        if last_usage is not None and last_usage.prompt_tokens:
+            turn = (
+                f"last turn: {last_usage.cached_tokens} of {last_usage.prompt_tokens}\n"
+                "prompt tokens from cache"
+            )
+        else:
+            turn = "last turn: –"
+        self.query_one("#engine-turn", Static).update(turn)
+
+    def _show_remote(self, stats: RemoteStats) -> None:
+        """What the server's /metrics says; "not reported" for what it does not."""
+        unknown = "not reported"
+        self.query_one("#engine-model", Static).update(
+            Content.assemble((stats.model, "bold"), f"\nremote · {stats.device}", (f"\n{stats.note}", "dim") if stats.note else "")
+        )
+        running = unknown if stats.running is None else stats.running
+        waiting = unknown if stats.waiting is None else stats.waiting
+        self.query_one("#engine-sched", Static).update(f"running {running} · waiting {waiting}")
+        kv = self.query_one("#engine-kv", Static)
+        fraction = stats.kv_fraction
+        kv.update(f"KV cache {unknown}" if fraction is None else f"KV cache {fraction:.0%}\n{_bar(fraction)}")
+        kv.set_class(fraction is not None and fraction > KV_WARNING, "-warning")
+        rate = stats.prefix_hit_rate
+        self.query_one("#engine-prefix", Static).update(f"prefix hits {unknown if rate is None else f'{rate:.0%}'}")
+
+    def _show_local(self, stats: EngineStats) -> None:
         weights, _, why_not_quantized = stats.weights.partition(" (")
         why_not_quantized = why_not_quantized.removesuffix(")")
         self.query_one("#engine-model", Static).update(
@@ -320,11 +350,3 @@ class EnginePanel(Vertical):
         kv.set_class(stats.kv_usage > KV_WARNING, "-warning")
         prefix = f"prefix hits {stats.prefix_hit_rate:.0%}" if stats.prefix_cache else "prefix cache off"
         self.query_one("#engine-prefix", Static).update(prefix)
-        if last_usage is not None and last_usage.prompt_tokens:
-            turn = (
-                f"last turn: {last_usage.cached_tokens} of {last_usage.prompt_tokens}\n"
-                "prompt tokens from cache"
-            )
-        else:
-            turn = "last turn: –"
-        self.query_one("#engine-turn", Static).update(turn)
