@@ -48,7 +48,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ("tabs: continuous tok/s ÷ llama_cpp (parallel slots)", _get(tabs, "peers.llama_cpp.tuichat_over"), ">=", 3.0),
         ("tabs: over HTTP (tuichat serve) ÷ in process, tok/s",
          ratio(_get(tabs, "peers.tuichat_serve.tokens_per_s"), _get(tabs, "tuichat.tokens_per_s")), ">=", 0.9),
-        ("tabs: over HTTP (tuichat serve) - in process, TTFT p50 ms",
+        ("tabs: over HTTP (tuichat serve) - in process, TTFT p50 (ms)",
          _minus(_get(tabs, "peers.tuichat_serve.ttft_ms_p50"), _get(tabs, "tuichat.ttft_ms_p50")), "<=", 15.0),
         ("single: decode step (TPOT, batch 1) ÷ its bytes-read floor",
          ratio(_get(single, "tuichat.tpot_ms"), _get(result, "floor.tuichat.decode_step_ms")), "<=", 1.5),
@@ -189,7 +189,8 @@ def _report(result: dict[str, Any]) -> list[RenderableType]:
             parts += section(sc[name]) + [Text("")]
     parts.append(Text("targets (reported, not asserted)", style="bold"))
     for t in result.get("targets", []):
-        parts.append(Text.assemble("  ", MARKS[t["ok"]], f" {t['name']}: {_x(t['value'])} (target {t['target']})"))
+        shown = _x(t["value"]) if not t["name"].endswith("(ms)") or t["value"] is None else f"{t['value']:+.1f} ms"
+        parts.append(Text.assemble("  ", MARKS[t["ok"]], f" {t['name']}: {shown} (target {t['target']})"))
     return parts
 
 

@@ -8,5 +8,7 @@ bench's thread count, and always stopped. Its single stream computes every promp
 its tabs are concurrent requests on the slots, its multiturn keeps one slot's prompt cache. In `tabs`, the
 batching peers get the tabs' arrival times too: the static batch starts when its last prompt has arrived,
 `generate_batch`'s manager and llama-server get each prompt when it arrives; `--stagger-ms 0` gives every
-system all prompts at once. tuichat itself (tuichat.py) goes through `LocalBackend.stream`, like a front end.
+system all prompts at once. tuichat itself (tuichat.py) goes through `LocalBackend.stream`, like a front end;
+`tuichat_serve` (serve.py) is the same engine behind `tuichat serve` in its own process, the tabs as HTTP
+clients: what the HTTP layer costs.
 """
