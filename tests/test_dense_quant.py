@@ -279,12 +279,12 @@ def test_where_the_c_layers_do_not_run_the_model_serves_in_its_dtype_and_says_wh
 
 
 def ask(*args: str) -> dict:
-    """`tuichat ask --json` in this process (its kernels are the fixture's build)."""
+    """`tuichat ask --json`, greedy, in this process (its kernels are the fixture's build)."""
     from click.testing import CliRunner
 
     from tuichat.cli import main
 
-    result = CliRunner().invoke(main, ["ask", "hi", "--json", "--max-tokens", "3", *args])
+    result = CliRunner().invoke(main, ["ask", "hi", "--json", "--max-tokens", "3", "--temperature", "0", *args])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 

@@ -85,6 +85,10 @@ class EngineStats:
     weights: str = ""  # how a step reads the linears' weights: "bf16", or a GGUF's "Q4_1, Q8_0"
     weight_bytes: int = 0  # bytes of weights a decode step reads
     layers: str = ""  # who runs the decoder layers of short steps: "C" (decoder.c), or "transformers (why)"
+    speculate: str = "off"  # speculative decoding's mode
+    draft_tokens: int = 0  # since start: tokens proposed, and those the model agreed with
+    accepted_tokens: int = 0
+    tokens_per_step: float = 0.0  # tokens a sequence got per step it was sampled in, since start
 
     @property
     def kv_usage(self) -> float:

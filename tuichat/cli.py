@@ -29,6 +29,9 @@ def engine_options(func):
         click.option("--quant", type=click.Choice(["auto", "none", "int8", "int4"]), default=None,
                      help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16; int8/int4: "
                           "a dense model's quantized to Q8_0/Q4_1 blocks at load (cached)."),
+        click.option("--speculate", type=click.Choice(["auto", "ngram", "off"]), default=None,
+                     help="Speculative decoding from the conversation's own text (the same replies, more tokens per "
+                          "step): auto where it pays, ngram always, off."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -222,6 +225,11 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             "e2e_ms": usage.e2e_ms,
             "finish_reason": usage.finish_reason,
             "finish_detail": usage.finish_detail,
+            "speculate": options.speculate,
+            "tokens_per_step": usage.tokens_per_step,
+            "draft_tokens": usage.draft_tokens,
+            "accepted_tokens": usage.accepted_tokens,
+            "acceptance": usage.acceptance,
             "sampling": {k: v for k, v in asdict(params).items() if k not in ("stop", "max_tokens")},
         }
         if usage.finish_detail:  # "length" before max_tokens: say what filled up, and what to do

@@ -113,6 +113,10 @@ DEFAULT_CONFIG_TOML = """\
 # dequantizes a .gguf's to bf16; int8 / int4 quantize a dense model's to Q8_0 / Q4_1 blocks of 32 (int4's
 # lm_head Q8_0) at its first load, then cached: about a half / a third of the bytes a step reads, at some fidelity.
 # quant = "auto"
+# Speculative decoding: each step also checks the tokens that followed the latest earlier occurrence of the
+# reply's last few tokens (text the model repeats from the conversation), keeping those the model agrees
+# with, so replies are the same as without it. auto: where it pays (a few tabs at once); ngram: always; off.
+# speculate = "auto"
 
 [keymap]
 # Rebind keys: binding id = keys, several keys separated by commas. Ids that contain dots need quotes.
@@ -186,6 +190,7 @@ _ENGINE = {
     "tp": _int(1),
     "device_map": _choice("auto", "balanced", "balanced_low_0", "sequential"),
     "quant": _choice("auto", "none", "int8", "int4"),
+    "speculate": _choice("auto", "ngram", "off"),
 }
 
 _TABLES = ("sampling", "engine", "keymap")

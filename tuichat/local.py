@@ -352,6 +352,10 @@ class LocalBackend:
             layers=engine.layers,
             weights=engine.weights,
             weight_bytes=engine.weight_bytes,
+            speculate=engine.config.speculate,
+            draft_tokens=engine.draft_tokens,
+            accepted_tokens=engine.accepted_tokens,
+            tokens_per_step=engine.sampled_tokens / engine.sampled_steps if engine.sampled_steps else 0.0,
         )
 
     def sampling_defaults(self, model: str) -> dict:

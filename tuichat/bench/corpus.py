@@ -116,3 +116,21 @@ SHARED_PREFIX_QUESTIONS = [
     "My order is late. What can I do?",
     "Do you sell climbing ropes?",
 ]
+
+# The speculative scenario: prompts whose answer quotes the prompt (the tokens speculation can propose from
+# the conversation), and open-ended ones (where it has little to propose, and must not slow anything).
+GROUNDED_PROMPTS = [
+    "Fix the typos in this paragraph and write the whole paragraph out again:\n\n"
+    "Teh quick brown fox jumpd over the lazy dog. It was a sunny day and the fox was verry happy. The dog, "
+    "however, was not amused, and it barked loudly at the fox untill it ran away into the forrest.",
+    "Rename the variable `result` to `total` in this code and show the whole function:\n\n"
+    "def price(items):\n    result = 0\n    for item in items:\n        result = result + item.price * item.count\n"
+    "    return result\n",
+    "Reformat this list as a numbered list, one item per line, keeping every word:\n\n"
+    "apples, green pears, three ripe bananas, a bag of oranges, fresh strawberries, two lemons, a melon",
+]
+OPEN_PROMPTS = [
+    "Tell me about the history of the bicycle.",
+    "What makes a good friend?",
+    "Describe a walk through a forest in autumn.",
+]

@@ -33,6 +33,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, reported (never asserted): value, bound, and whether it holds."""
     sc = result.get("scenarios", {})
     single, tabs, multi, inter = sc.get("single", {}), sc.get("tabs", {}), sc.get("multiturn", {}), sc.get("interference", {})
+    spec = sc.get("speculative", {})
     rows = [
         ("tabs: continuous tok/s ÷ hf_static_batch", _get(tabs, "peers.hf_static_batch.tuichat_over"), ">=", 1.5),
         ("tabs: continuous tok/s ÷ hf_generate_batch", _get(tabs, "peers.hf_generate_batch.tuichat_over"), ">=", 3.0),
@@ -50,6 +51,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
          ratio(_get(tabs, "peers.tuichat_serve.tokens_per_s"), _get(tabs, "tuichat.tokens_per_s")), ">=", 0.9),
         ("tabs: over HTTP (tuichat serve) - in process, TTFT p50 (ms)",
          _minus(_get(tabs, "peers.tuichat_serve.ttft_ms_p50"), _get(tabs, "tuichat.ttft_ms_p50")), "<=", 15.0),
+        ("speculative: grounded, one stream, auto ÷ off decode tok/s", _get(spec, "grounded_single_auto_over_off"), ">=", 1.8),
+        ("speculative: grounded, tabs, auto ÷ off tok/s", _get(spec, "grounded_tabs_auto_over_off"), ">=", 1.3),
+        ("speculative: open-ended, one stream, auto ÷ off decode tok/s", _get(spec, "open_single_auto_over_off"), ">=", 0.95),
+        ("speculative: open-ended, tabs, auto ÷ off tok/s", _get(spec, "open_tabs_auto_over_off"), ">=", 0.95),
         ("single: decode step (TPOT, batch 1) ÷ its bytes-read floor",
          ratio(_get(single, "tuichat.tpot_ms"), _get(result, "floor.tuichat.decode_step_ms")), "<=", 1.5),
     ]
@@ -174,9 +179,27 @@ def _interference(s: dict[str, Any]) -> list[RenderableType]:
             Text(f"  loaded ÷ idle: {_x(s['loaded_over_idle'])}")]
 
 
+def _speculative(s: dict[str, Any]) -> list[RenderableType]:
+    rows = []
+    for kind in ("grounded", "open"):
+        for mode in ("off", "auto"):
+            v = s["modes"][mode][kind]
+            rows.append([f"{kind} · {mode}", _fmt(v["single"]["decode_tokens_per_s"]), _fmt(v["single"]["ttft_ms"], 0),
+                         _fmt(v["tabs"]["tokens_per_s"]), _fmt(v["tabs"]["ttft_ms_p50"], 0)])
+        rows.append([f"{kind} · auto ÷ off", _x(s[f"{kind}_single_auto_over_off"]), "", _x(s[f"{kind}_tabs_auto_over_off"]), ""])
+    auto = s["modes"]["auto"]
+    kept = "-" if auto["acceptance"] is None else f"{auto['acceptance']:.0%}"
+    return [Text(f"speculative · prompts that quote themselves (grounded) and open-ended ones, one at a time and as "
+                 f"{s['tabs']} tabs, ≤{s['max_tokens']} tokens", style="bold"),
+            _table(["", "decode tok/s", "TTFT ms", "tabs tok/s", "tabs TTFT p50"], rows),
+            Text(f"  auto: {_fmt(auto['tokens_per_step'], 2)} tokens a step, "
+                 f"{kept} of drafts kept; "
+                 f"replies the same with it off: {'yes' if s['same_replies'] else 'NO'}")]
+
+
 UNWRAPPED = 1000  # the width of a file or a pipe: wider than any table, so none is wrapped
 SECTIONS = {"single": _single, "tabs": _tabs, "multiturn": _multiturn, "shared_prefix": _shared_prefix,
-            "interference": _interference}
+            "interference": _interference, "speculative": _speculative}
 MARKS = {True: ("ok  ", "green"), False: ("MISS", "bold red"), None: ("n/a ", "dim")}
 
 

@@ -34,7 +34,7 @@ from tuichat import catalog
 from tuichat.backend import BackendError, Message, SamplingParams
 from tuichat.bench.corpus import (
     FIRST_TURN, FOLLOW_UPS, LONG_REPLY_PROMPTS, PROBE_QUESTION, QUESTIONS, SHARED_PREFIX_QUESTIONS, SINGLE_QUESTIONS,
-    SYSTEM_PROMPT, WARMUP_QUESTION,
+    SYSTEM_PROMPT, WARMUP_QUESTION, GROUNDED_PROMPTS, OPEN_PROMPTS,
 )
 from tuichat.bench.floor import measure_bandwidth, step_floor
 from tuichat.bench.peers.hf import HFPeer
@@ -388,6 +388,37 @@ class _Run:
             out = tc.run(measure)
         out["tabs"] = s.tabs
         out["loaded_over_idle"] = ratio(out["loaded_ttft_ms"], out["idle_ttft_ms"])
+        return out
+
+    def speculative(self) -> dict[str, Any]:
+        """Speculation off and auto on prompts that quote themselves and on open-ended ones, one stream at a time
+        and as tabs: decode tok/s, what auto gains, and whether every reply is the same."""
+        s = self.settings
+        params = SamplingParams(max_tokens=s.spec_tokens)
+        stagger = s.stagger_ms / 1000
+        kinds = {"grounded": GROUNDED_PROMPTS, "open": OPEN_PROMPTS}
+        out: dict[str, Any] = {"max_tokens": s.spec_tokens, "tabs": s.tabs, "modes": {}}
+        replies: dict[str, list[str]] = {}
+        for mode in ("off", "auto"):
+            section: dict[str, Any] = {}
+            with self.step(f"speculative · {mode}"), self.tuichat(speculate=mode) as tc:
+                for kind, prompts in kinds.items():
+                    single = [tc.run(stream_once, f"spec-{mode}-{kind}-{i}", [Message("user", p)], params)
+                              for i, p in enumerate(prompts)]
+                    conversations = [[Message("user", prompts[i % len(prompts)])] for i in range(s.tabs)]
+                    tabs, wall = tc.run(run_tabs, conversations, params, stagger, f"spec-tabs-{mode}-{kind}")
+                    section[kind] = {"single": self._single_summary(single), "tabs": summarize(tabs, wall)}
+                    replies[f"{mode}-{kind}"] = [r.text for r in single + tabs]
+                stats = tc.backend.stats(tc.name)
+            section["acceptance"] = ratio(stats.accepted_tokens, stats.draft_tokens)
+            section["tokens_per_step"] = stats.tokens_per_step
+            out["modes"][mode] = section
+        off, auto = out["modes"]["off"], out["modes"]["auto"]
+        for kind in kinds:
+            out[f"{kind}_single_auto_over_off"] = ratio(auto[kind]["single"]["decode_tokens_per_s"],
+                                                       off[kind]["single"]["decode_tokens_per_s"])
+            out[f"{kind}_tabs_auto_over_off"] = ratio(auto[kind]["tabs"]["tokens_per_s"], off[kind]["tabs"]["tokens_per_s"])
+        out["same_replies"] = all(replies[f"auto-{kind}"] == replies[f"off-{kind}"] for kind in kinds)
         return out
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from tuichat import catalog
 from tuichat.backend import BackendError, EngineOptions
 
 
-SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference")
+SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference", "speculative")
 PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp", "tuichat_serve")
 MODES = ("continuous", "static", "off")
 
@@ -37,6 +37,7 @@ class BenchSettings:
     tab_tokens: int = 64  # cap of each reply in tabs
     turn_tokens: int = 96  # cap of each multiturn reply
     probe_tokens: int = 4  # TTFT-only requests (cache-off replay, shared prefix, interference probes)
+    spec_tokens: int = 96  # cap of each reply in the speculative scenario (a rewritten paragraph is ~80)
     single_prompts: int = 3  # single: medians over this many questions
     sequential_peer_prompts: int = 4  # hf_generate, one at a time, runs this many of the tab prompts (tok/s per request)
     multiturn_peer: bool = True  # transformers generate's TTFT per turn (it recomputes the whole history)
@@ -109,4 +110,6 @@ def plan(settings: BenchSettings) -> list[str]:
         steps += ["shared_prefix · cache on", "shared_prefix · cache off"]
     if "interference" in settings.scenarios:
         steps += ["interference · idle and loaded"]
+    if "speculative" in settings.scenarios:
+        steps += ["speculative · off", "speculative · auto"]
     return steps

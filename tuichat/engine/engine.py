@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from tuichat.engine import attention, cpu_kernel, families, native, quant
+from tuichat.engine import attention, cpu_kernel, families, native, quant, speculate
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.families import ModelShape
@@ -127,6 +127,10 @@ class Engine:
         self._orphans: list[Sequence] = []  # requests whose consumer went away mid-step
         # Metrics.
         self.last_batch_size = 0
+        # Speculation since start: draft tokens proposed and kept; sampled sequence-steps and the tokens they gave.
+        self.draft_tokens = self.accepted_tokens = 0
+        self._step_cost = speculate.StepCost()
+        self.sampled_steps = self.sampled_tokens = 0
         self._generated: deque[tuple[float, int]] = deque()
 
     @staticmethod
@@ -353,28 +357,82 @@ class Engine:
         """One scheduling round and one model forward. A failure that belongs to some requests ends those
         (with an error event) and leaves the others running; see _loop for the rest."""
         self._drain_inbox()
+        self._propose()
         chunks = self.scheduler.schedule()
         if chunks:
             self.last_batch_size = len(chunks)
+            started = time.perf_counter()
             chunks, logits = self._forward(chunks)
+            self._step_cost.add(sum(c.length for c in chunks), time.perf_counter() - started)
             for chunk in chunks:
-                chunk.seq.num_computed = chunk.start + chunk.length
+                chunk.seq.num_computed = chunk.start + chunk.length - len(chunk.draft)  # a draft's, once accepted
                 self.blocks.register_computed(chunk.seq)
             sampling = [c for c in chunks if c.samples]
             if sampling:
-                tokens = self._sample(logits, [c.seq for c in sampling])
+                tokens = self._sample(logits, sampling)
                 now = time.monotonic()
-                self._generated.append((now, sum(t is not None for t in tokens)))
+                produced, row = 0, 0
+                for chunk in sampling:
+                    rows = 1 + len(chunk.draft)
+                    produced += self._take(chunk, tokens[row : row + rows], now)
+                    row += rows
+                self._generated.append((now, produced))
                 while now - self._generated[0][0] > 10.0:
                     self._generated.popleft()
-                for chunk, token in zip(sampling, tokens):
-                    if token is None:
-                        continue
-                    try:
-                        self._accept(chunk.seq, token, now)
-                    except Exception as exc:  # the detokenizer or stop matcher, on this request's text
-                        self._fail(chunk.seq, exc)
+                self.sampled_steps += len(sampling)
+                self.sampled_tokens += produced
         self._end_orphans()
+
+    def _propose(self) -> None:
+        """Drafts for the sequences about to decode: what followed the latest earlier occurrence of their last
+        few tokens (speculate.py). auto sizes each draft by what pays: a row is worth adding while the chance
+        its token is kept beats the share of the step it adds times the tokens the step gives (at a large batch
+        only drafts that are nearly sure pay). The scheduler fits drafts into the step; `_take` keeps what the
+        model agrees with."""
+        mode = self.config.speculate
+        if mode == "off":
+            return
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1]
+        worth = 0.0 if mode == "ngram" else self._step_cost.row_share(len(decoding)) * len(decoding)
+        room = min(self.capacity_tokens, self.max_model_len)
+        for seq in decoding:
+            if seq.proposer is None:
+                seq.proposer = speculate.NgramProposer()
+            # The token each step adds after its draft counts against max_tokens and the context too.
+            limit = min(seq.params.max_tokens - seq.num_completion_tokens, room - len(seq)) - 1
+            wanted = speculate.draft_length(seq.proposer.acceptance, worth) if worth else speculate.MAX_DRAFT
+            seq.draft = seq.proposer.propose(seq.token_ids, min(limit, wanted))
+
+    def _take(self, chunk: ScheduledChunk, tokens: list[int | None], now: float) -> int:
+        """Append what the sampled rows of `chunk` give: a row's token goes in, and while it equals the draft
+        token its row was computed from, the next row's follows (that token's K/V came with this step). So
+        the reply holds exactly the tokens one-token steps would have produced. Returns how many went in."""
+        seq, draft = chunk.seq, chunk.draft
+        seq.steps += 1  # counted before _accept: a finishing token's final usage includes this step
+        seq.draft_tokens += len(draft)
+        self.draft_tokens += len(draft)
+        taken = accepted = 0
+        for i, token in enumerate(tokens):
+            if token is None:  # its sampling failed, and _sample ended it
+                break
+            drafted = i < len(draft) and token == draft[i]
+            accepted += drafted
+            seq.accepted_tokens += drafted
+            self.accepted_tokens += drafted
+            try:
+                self._accept(seq, token, now)
+            except Exception as exc:  # the detokenizer or stop matcher, on this request's text
+                self._fail(seq, exc)
+                break
+            taken += 1
+            if not drafted or seq.status is Status.FINISHED:
+                break
+            seq.num_computed += 1
+        if draft:
+            seq.proposer.verified(len(draft), accepted)
+            if seq.status is not Status.FINISHED:
+                self.blocks.register_computed(seq)
+        return taken
 
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor | None]:
         """(the chunks that ran, the logits of those that sample). If the step's forward fails, each chunk runs
@@ -404,25 +462,37 @@ class Engine:
         return ran, torch.cat(rows) if rows else None
 
     @staticmethod
-    def _replies(seqs: list[Sequence]) -> list[list[int]] | None:
-        """Each sequence's reply so far, for the penalties; None (nothing copied each step) when none has one."""
-        if any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
-            return [s.completion_ids for s in seqs]
+    def _rows(chunks: list[ScheduledChunk]) -> list[tuple[Sequence, list[int]]]:
+        """Each sampled row: its sequence and the draft tokens before it in this step."""
+        return [(c.seq, c.draft[:i]) for c in chunks for i in range(1 + len(c.draft))]
+
+    @staticmethod
+    def _replies(rows: list[tuple[Sequence, list[int]]]) -> list[list[int]] | None:
+        """Each row's reply before it, for the penalties; None (nothing copied each step) when none has one."""
+        if any(s.params.presence_penalty or s.params.frequency_penalty for s, _ in rows):
+            return [s.completion_ids + before for s, before in rows]
         return None
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """One token per sequence; a sequence whose sampling fails gets None and an error, the others a token."""
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int | None]:
+        """One token per sampled row; a sequence whose sampling fails gets None for its rows and an error, the
+        others their tokens."""
+        def run(rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[int]:
+            return sample(logits, [s.params for s, _ in rows], [s.generator for s, _ in rows],
+                          [len(s) + len(before) for s, before in rows], self._replies(rows))
+
+        rows = self._rows(chunks)
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._replies(seqs))
+            return run(rows, logits)
         except Exception:
             pass
         tokens: list[int | None] = []
-        for row, seq in enumerate(seqs):
+        for chunk in chunks:
+            mine = self._rows([chunk])
             try:
-                tokens += sample(logits[row : row + 1], [seq.params], [seq.generator], self._replies([seq]))
+                tokens += run(mine, logits[len(tokens) : len(tokens) + len(mine)])
             except Exception as exc:
-                self._fail(seq, exc)
-                tokens.append(None)
+                self._fail(chunk.seq, exc)
+                tokens += [None] * len(mine)
         return tokens
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:

@@ -60,6 +60,11 @@ class Sequence:
     generator: object | None = None  # per-request torch.Generator, so a seed holds whatever the batch
     detok: object | None = None
     stop_matcher: object | None = None
+    proposer: object | None = None  # a speculate.NgramProposer, while speculation is on
+    draft: list[int] = field(default_factory=list)  # tokens proposed for the next step, verified by it
+    steps: int = 0  # steps that sampled tokens for it
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -92,4 +97,7 @@ class Sequence:
             e2e_ms=ms(now),
             finish_reason=self.finish_reason,
             finish_detail=self.finish_detail,
+            steps=self.steps,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
         )

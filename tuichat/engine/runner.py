@@ -30,6 +30,8 @@ class StepChunk:
     start: int  # position of the first of them
     block_table: list[int]
     samples: bool  # the chunk ends at the sequence's last token: its logits pick the next one
+    # Rows whose logits are returned, the chunk's last ones: 1, or a verified draft's length + 1.
+    logit_rows: int = 1
 
     @property
     def is_decode(self) -> bool:
@@ -38,7 +40,7 @@ class StepChunk:
 
 def flatten(chunks: list[StepChunk]) -> tuple[list[int], list[int], list[int]]:
     """The step as one row: every chunk's token ids and positions in order, and the rows whose logits are
-    sampled (each sampling chunk's last)."""
+    sampled (each sampling chunk's last `logit_rows`)."""
     token_ids: list[int] = []
     positions: list[int] = []
     sample_rows: list[int] = []
@@ -46,7 +48,7 @@ def flatten(chunks: list[StepChunk]) -> tuple[list[int], list[int], list[int]]:
         token_ids += chunk.token_ids
         positions += range(chunk.start, chunk.start + len(chunk.token_ids))
         if chunk.samples:
-            sample_rows.append(len(token_ids) - 1)
+            sample_rows += range(len(token_ids) - chunk.logit_rows, len(token_ids))
     return token_ids, positions, sample_rows
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tuichat.engine.kv_cache import BlockManager, CacheFull
 from tuichat.engine.request import Sequence, Status
@@ -26,16 +26,17 @@ MAX_OVERTAKES = 8  # how many later requests may be admitted ahead of one that d
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step
-    length: int  # tokens computed in this step
+    length: int  # tokens computed in this step, the draft's included
+    draft: list[int] = field(default_factory=list)  # proposed tokens after the sequence's last, verified here
 
     @property
     def samples(self) -> bool:
         """Does this chunk reach the sequence's last token (so its logits give the next token)?"""
-        return self.start + self.length == len(self.seq)
+        return self.start + self.length - len(self.draft) == len(self.seq)
 
     def plan(self) -> StepChunk:
-        tokens = self.seq.token_ids[self.start : self.start + self.length]
-        return StepChunk(tokens, self.start, list(self.seq.block_table), self.samples)
+        tokens = self.seq.token_ids[self.start : self.start + self.length - len(self.draft)] + self.draft
+        return StepChunk(tokens, self.start, list(self.seq.block_table), self.samples, 1 + len(self.draft))
 
 
 class Scheduler:
@@ -102,9 +103,17 @@ class Scheduler:
                     continue  # preempted during this pass, or done in the first pass
                 if (seq.num_uncomputed == 1) != decoding or budget == 0:
                     continue
-                length = min(seq.num_uncomputed, budget)
+                # A decode's draft (the engine's proposal) rides in its chunk, as far as the budget and the free
+                # blocks allow: a guess never preempts another sequence.
+                draft = seq.draft[: budget - 1] if decoding else []
+                if draft:
+                    try:
+                        self.blocks.ensure_slots(seq, seq.num_computed + 1 + len(draft))
+                    except CacheFull:
+                        draft = []
+                length = min(seq.num_uncomputed, budget) + len(draft)
                 if grow(seq, length):
-                    chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+                    chunks.append(ScheduledChunk(seq, seq.num_computed, length, draft))
                     scheduled.add(seq.id)
                     budget -= length
 
@@ -136,6 +145,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             scheduled.add(seq.id)
             budget -= length
-        # The runner batches single-token steps together and wants them first.
+        # The runner batches single-token steps together and wants them first (a decode with a draft is a short
+        # chunk like a prefill's).
         chunks.sort(key=lambda c: not is_decode(c.start, c.length))
         return chunks

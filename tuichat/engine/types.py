@@ -87,6 +87,18 @@ class Usage:
     e2e_ms: float | None = None
     finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # why a reply ended early at "length": a full KV cache, the context length
+    # Speculative decoding: steps that gave this reply tokens, tokens proposed, and of those the ones kept.
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.completion_tokens / self.steps if self.steps else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -122,3 +134,7 @@ class ServingOptions:
     # in bf16; int8 / int4 quantize every linear to the blocks of quant.QUANT_FORMATS at load (a GGUF's own
     # blocks stay). Elsewhere the model serves in its dtype and the engine's `weights` says why.
     quant: Literal["auto", "none", "int8", "int4"] = "auto"
+    # Speculative decoding from the sequence's own n-grams (speculate.py): auto proposes where it pays (a small
+    # batch, a sequence whose proposals get accepted), ngram whenever a match is found, off never. Replies
+    # are the same token for token either way.
+    speculate: Literal["auto", "ngram", "off"] = "auto"

@@ -304,6 +304,9 @@ class EnginePanel(Vertical):
                 f"last turn: {last_usage.cached_tokens} of {last_usage.prompt_tokens}\n"
                 "prompt tokens from cache"
             )
+            if last_usage.draft_tokens:
+                turn += (f"\n{last_usage.tokens_per_step:.2f} tokens a step, "
+                         f"{last_usage.acceptance:.0%} of {last_usage.draft_tokens} drafted kept")
         else:
             turn = "last turn: –"
         self.query_one("#engine-turn", Static).update(turn)
@@ -338,9 +341,14 @@ class EnginePanel(Vertical):
                 f"\n{why_not_quantized}" if why_not_quantized else "",  # --quant int8 where the C layers don't run
             )
         )
+        if stats.speculate == "off":
+            speculation = "speculation off"
+        else:
+            kept = f"{stats.accepted_tokens / stats.draft_tokens:.0%} of drafts kept" if stats.draft_tokens else "no drafts yet"
+            speculation = f"speculation {stats.speculate} · {kept} · {stats.tokens_per_step:.2f} tokens a step"
         self.query_one("#engine-sched", Static).update(
             f"running {stats.running} · waiting {stats.waiting}\n"
-            f"batch {stats.batch_size} · {stats.tokens_per_s:.1f} tok/s"
+            f"batch {stats.batch_size} · {stats.tokens_per_s:.1f} tok/s\n{speculation}"
         )
         kv = self.query_one("#engine-kv", Static)
         kv.update(

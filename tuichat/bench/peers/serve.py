@@ -19,7 +19,7 @@ from tuichat.bench.stats import RequestResult
 
 # The engine options the command line takes; the others come from the config.toml the server reads, as the
 # bench's did.
-_FLAGS = ("device", "dtype", "kv_cache_mb", "batching", "prefix_cache", "tp", "device_map", "quant")
+_FLAGS = ("device", "dtype", "kv_cache_mb", "batching", "prefix_cache", "tp", "device_map", "quant", "speculate")
 
 
 def engine_flags(options: EngineOptions) -> list[str]:
