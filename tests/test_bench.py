@@ -24,7 +24,7 @@ from tuichat.cli import main
 from tuichat.local import chat_ids
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
-            probes=1, stagger_ms=200, bandwidth_mb=16)
+            probes=1, stagger_ms=200, bandwidth_mb=16, spec_tokens=24)
 # stagger_ms: the second tab must arrive once the first one's step has begun, or both are admitted in the
 # same step and neither finds the other's system prompt cached (an idle engine first starts its thread).
 FAST_PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch")
@@ -147,6 +147,19 @@ def test_percentiles_are_ordered_and_counts_add_up(run):
     shared = sc["shared_prefix"]
     for side in ("cache_on", "cache_off"):
         assert shared[side]["ttft_ms_p50"] <= shared[side]["ttft_ms_p90"]
+
+
+def test_speculative_compares_off_and_auto_on_the_same_replies(run):
+    spec = run[0]["scenarios"]["speculative"]
+    assert spec["same_replies"] is True  # the bench's own check: every auto reply equals its off reply
+    for kind in ("grounded", "open"):
+        for mode in ("off", "auto"):
+            assert positive(spec["modes"][mode][kind]["single"]["decode_tokens_per_s"])
+            assert spec["modes"][mode][kind]["tabs"]["requests"] == TINY["tabs"]
+        assert spec[f"{kind}_single_auto_over_off"] == pytest.approx(
+            spec["modes"]["auto"][kind]["single"]["decode_tokens_per_s"] / spec["modes"]["off"][kind]["single"]["decode_tokens_per_s"])
+    assert spec["modes"]["off"]["acceptance"] is None and spec["modes"]["auto"]["tokens_per_step"] >= 1
+    assert [t["name"] for t in run[0]["targets"] if t["name"].startswith("speculative")] and "speculative ·" in bench.render(run[0])
 
 
 def test_interference_probes_while_others_decode(run):
@@ -323,6 +336,10 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         inter["loaded_ttft_ms"] / inter["idle_ttft_ms"],
         single["tuichat"]["ttft_ms"] / single["bare_forward_ms"],
         single["tuichat"]["decode_tokens_per_s"] / single["peers"]["hf_generate"]["decode_tokens_per_s"],
+        sc["speculative"]["grounded_single_auto_over_off"],
+        sc["speculative"]["grounded_tabs_auto_over_off"],
+        sc["speculative"]["open_single_auto_over_off"],
+        sc["speculative"]["open_tabs_auto_over_off"],
         single["tuichat"]["tpot_ms"] / run[0]["floor"]["tuichat"]["decode_step_ms"],
     ]
     targets = run[0]["targets"]

@@ -132,7 +132,9 @@ def test_speculation_keeps_generates_replies_through_the_next_turns_cache_hit(co
     history = seqs[0].token_ids + prompts[1][:3]
     (turn2,) = drive(spec, [history], SamplingParams(max_tokens=20))
     assert turn2.completion_ids == hf_greedy(reference, history, 20)
-    assert turn2.num_cached_tokens >= 16 and spec.accepted_tokens > 0
+    # Every full block of turn 1's computed tokens (all but its last, sampled token), kept drafts included,
+    # even those kept in the step that ended the reply.
+    assert turn2.num_cached_tokens == (len(seqs[0].token_ids) - 1) // 16 * 16 > 0 and spec.accepted_tokens > 0
     assert_nothing_leaked(spec, seqs + [turn2])
 
 
@@ -147,14 +149,18 @@ def test_preemption_under_a_tiny_pool_keeps_generates_replies():
     assert_nothing_leaked(spec, seqs)
 
 
-def test_max_tokens_ends_the_reply_where_it_would_have_inside_an_accepted_run():
+def test_max_tokens_ends_the_reply_where_it_would_have_inside_an_accepted_run_and_its_blocks_are_kept():
     prompt = echoing_prompts(1, seed=9)[0]
     off, _ = engine("off")
     (whole,) = drive(off, [prompt], SamplingParams(max_tokens=30))
-    spec, _ = engine()
     for cap in range(1, 31):
+        spec, _ = engine()  # its own cache: what an earlier cap computed must not stand in for this one's
         (seq,) = drive(spec, [prompt], SamplingParams(max_tokens=cap))
         assert seq.completion_ids == whole.completion_ids[:cap] and seq.finish_reason == "length"
+        # The blocks the last step filled with kept drafts were published as the reply ended: the history hits
+        # the cache for every full block of its computed tokens (all but the last, sampled one).
+        (again,) = drive(spec, [seq.token_ids], SamplingParams(max_tokens=1))
+        assert again.num_cached_tokens == (len(seq.token_ids) - 1) // 16 * 16, cap
     assert spec.accepted_tokens > 0 and spec.blocks.num_free == spec.blocks.num_blocks
 
 

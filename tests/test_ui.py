@@ -409,10 +409,11 @@ async def test_sending_during_a_slow_model_load_waits_and_the_ui_keeps_working()
 
 async def test_engine_panel_and_meter_show_exactly_what_the_backend_reports():
     app, backend = make_app()
-    backend.reported_usage = Usage(prompt_tokens=1234, cached_tokens=987)
+    backend.reported_usage = Usage(prompt_tokens=1234, cached_tokens=987, steps=2, draft_tokens=40, accepted_tokens=25)
     backend.stats = lambda model=None: EngineStats(
         model="smollm2-135m", device="cpu", dtype="bfloat16", running=3, waiting=2, batch_size=5,
         kv_blocks_used=40, kv_blocks_total=512, prefix_hit_rate=0.25, tokens_per_s=42.5,
+        speculate="auto", draft_tokens=400, accepted_tokens=300, tokens_per_step=1.8,
     )
     async with app.run_test(size=SIZE) as pilot:
         await send_and_wait(pilot, "one")
@@ -427,10 +428,12 @@ async def test_engine_panel_and_meter_show_exactly_what_the_backend_reports():
             return str(panel.query_one(f"#engine-{name}", Static).render())
 
         assert shown("model") == "smollm2-135m\ncpu · bfloat16 · tp 1\ncontinuous batching"  # no kernel named
-        assert shown("sched") == "running 3 · waiting 2\nbatch 5 · 42.5 tok/s"
+        assert shown("sched") == ("running 3 · waiting 2\nbatch 5 · 42.5 tok/s\n"
+                                  "speculation auto · 75% kept\n1.80 tokens a step")
         assert shown("kv").startswith("KV cache 8%") and shown("kv").endswith("\n40/512 blocks")
         assert shown("prefix") == "prefix hits 25%"
-        assert shown("turn") == "last turn: 987 of 1234\nprompt tokens from cache"
+        assert shown("turn") == ("last turn: 987 of 1234\nprompt tokens from cache\n"
+                                 f"drafts: 25 of 40 kept\n{meta['completion_tokens'] / 2:.2f} tokens a step")
         assert not panel.query_one("#engine-kv").has_class("-warning")
         backend.stats = lambda model=None: EngineStats(
             model="m", kv_blocks_used=90, kv_blocks_total=100, matmul="torch (no AMX on this CPU)"

@@ -127,7 +127,7 @@ def _single(s: dict[str, Any]) -> list[RenderableType]:
             rows.append([name, _fmt(p["ttft_ms"]), _fmt(p["itl_ms_p50"]), _fmt(p["itl_ms_p90"]), _fmt(p["decode_tokens_per_s"]),
                          _x(ratio(t["ttft_ms"], p["ttft_ms"])), _x(ratio(t["decode_tokens_per_s"], p["decode_tokens_per_s"]))])
     return [Text(f"single · one conversation, {s['prompts']} prompts of ~{median(s['prompt_tokens']) or 0:.0f} tokens, "
-                 f"≤{s['max_tokens']} tokens, medians (prefix cache off)", style="bold"),
+                 f"≤{s['max_tokens']} tokens, medians (prefix cache and speculation off)", style="bold"),
             _table(headers, rows)]
 
 

@@ -161,8 +161,10 @@ class _Run:
         prompts = [self.ids(m) for m in conversations]
         ours, bare, hf = [], [], []
         # Interleaved per prompt (tuichat, bare forward, generate), so a noisy neighbour hits all three alike.
+        # Speculation off: TPOT stays one step's cost (the floor's target), and llama.cpp runs without its own;
+        # the speculative scenario measures what it adds.
         with self.step("single · tuichat, bare forward, hf_generate"), \
-                self.tuichat(batching="continuous", prefix_cache=False) as tc:
+                self.tuichat(batching="continuous", prefix_cache=False, speculate="off") as tc:
             for i, (messages, prompt) in enumerate(zip(conversations, prompts)):
                 ours.append(tc.run(stream_once, f"single-{i}", messages, params))
                 bare.append(on_own_thread(self.peer.bare_forward_ms, prompt))
@@ -173,6 +175,7 @@ class _Run:
             "prompt_tokens": [r.prompt_tokens for r in ours],
             "max_tokens": s.single_tokens,
             "prefix_cache": False,
+            "speculate": "off",
             "tuichat": self._single_summary(ours),
             "bare_forward_ms": median(bare),
             "bare_forward_ms_each": bare,

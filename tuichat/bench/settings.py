@@ -1,9 +1,10 @@
 """What a run measures and with which caps: `BenchSettings`, the `--scenarios`/`--peers` lists, and the run's
 steps for the progress bar.
 
-Caps: 64 tokens per single/tab reply, 96 per turn, 8 tabs, 8 turns. `--quick`: 3 single prompts of <= 32
-tokens, 4 turns of <= 48 tokens (a shorter history), and no transformers TTFT per turn (in the full run, it
-shows a peer that recomputes the history every turn); the tabs keep their full cap. The one-at-a-time peer
+Caps: 64 tokens per single/tab reply, 96 per turn and per speculative reply, 8 tabs, 8 turns. `--quick`: 3
+single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <= 64, and
+no transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn); the
+tabs keep their full cap. The one-at-a-time peer
 (`hf_generate`) runs the first tab prompts only (4, or 2 with `--quick`): its tok/s does not depend on how
 many wait.
 """
@@ -53,7 +54,7 @@ class BenchSettings:
         # and tok/s measures the arrival schedule more than batching. The one-at-a-time peer, slow at that
         # length, runs two prompts instead.
         base = dict(turns=4, single_tokens=32, turn_tokens=48, single_prompts=3, sequential_peer_prompts=2,
-                    multiturn_peer=False, bandwidth_mb=256) if quick else {}
+                    multiturn_peer=False, bandwidth_mb=256, spec_tokens=64) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(quick=quick, **base)
         unknown = set(settings.scenarios) - set(SCENARIOS)

@@ -420,14 +420,13 @@ class Engine:
             seq.accepted_tokens += drafted
             self.accepted_tokens += drafted
             try:
-                self._accept(seq, token, now)
+                self._accept(seq, token, now, computed=drafted)
             except Exception as exc:  # the detokenizer or stop matcher, on this request's text
                 self._fail(seq, exc)
                 break
             taken += 1
             if not drafted or seq.status is Status.FINISHED:
                 break
-            seq.num_computed += 1
         if draft:
             seq.proposer.verified(len(draft), accepted)
             if seq.status is not Status.FINISHED:
@@ -499,8 +498,10 @@ class Engine:
         seq.error = f"The engine failed on this request: {type(exc).__name__}: {exc}"
         self._finish(seq, "error", time.monotonic())
 
-    def _accept(self, seq: Sequence, token: int, now: float) -> None:
+    def _accept(self, seq: Sequence, token: int, now: float, computed: bool = False) -> None:
+        """`computed`: the token's K/V is in the cache already (a kept draft token, computed by this step)."""
         seq.token_ids.append(token)
+        seq.num_computed += computed
         if token in self.eos_ids:
             self._finish(seq, "stop", now)
             return
@@ -543,6 +544,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         if seq.status is Status.FINISHED:
             return
+        # Blocks that filled up with kept draft tokens in this very step: published before they are freed, so
+        # the next turn finds them as it would have without speculation.
+        self.blocks.register_computed(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -188,8 +188,8 @@ class SamplingScreen(Dialog):
             ("top_k", "top-k (0 = off)", str(s.top_k), "integer"),
             ("max_tokens", "max tokens", str(s.max_tokens), "integer"),
             ("seed", "seed (empty = random)", seed, "integer"),
-            ("frequency_penalty", "frequency penalty (0 = off)", str(s.frequency_penalty), "number"),
-            ("presence_penalty", "presence penalty (0 = off)", str(s.presence_penalty), "number"),
+            ("frequency_penalty", "frequency pen. (0 = off)", str(s.frequency_penalty), "number"),
+            ("presence_penalty", "presence pen. (0 = off)", str(s.presence_penalty), "number"),
         ]
         with Vertical(classes="dialog"):
             yield Label("Sampling for this tab")

@@ -305,8 +305,8 @@ class EnginePanel(Vertical):
                 "prompt tokens from cache"
             )
             if last_usage.draft_tokens:
-                turn += (f"\n{last_usage.tokens_per_step:.2f} tokens a step, "
-                         f"{last_usage.acceptance:.0%} of {last_usage.draft_tokens} drafted kept")
+                turn += (f"\ndrafts: {last_usage.accepted_tokens} of {last_usage.draft_tokens} kept\n"
+                         f"{last_usage.tokens_per_step:.2f} tokens a step")
         else:
             turn = "last turn: –"
         self.query_one("#engine-turn", Static).update(turn)
@@ -343,9 +343,11 @@ class EnginePanel(Vertical):
         )
         if stats.speculate == "off":
             speculation = "speculation off"
+        elif not stats.draft_tokens:
+            speculation = f"speculation {stats.speculate} · no drafts"
         else:
-            kept = f"{stats.accepted_tokens / stats.draft_tokens:.0%} of drafts kept" if stats.draft_tokens else "no drafts yet"
-            speculation = f"speculation {stats.speculate} · {kept} · {stats.tokens_per_step:.2f} tokens a step"
+            speculation = (f"speculation {stats.speculate} · {stats.accepted_tokens / stats.draft_tokens:.0%} kept\n"
+                           f"{stats.tokens_per_step:.2f} tokens a step")
         self.query_one("#engine-sched", Static).update(
             f"running {stats.running} · waiting {stats.waiting}\n"
             f"batch {stats.batch_size} · {stats.tokens_per_s:.1f} tok/s\n{speculation}"
