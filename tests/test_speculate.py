@@ -88,10 +88,14 @@ def test_a_draft_is_as_long_as_its_last_token_is_worth_its_row():
     assert draft_length(0.9, 0.5) == 6 and draft_length(0.4, 0.5) == 0 and draft_length(1.0, 0.5) == MAX_DRAFT
     cost = StepCost()
     assert cost.row_share(1) == pytest.approx(PRIOR_ROW_SHARE)  # nothing timed yet
-    for i in range(64):  # steps of 1 to 8 rows taking 8 ms plus 1 ms a row
+    for i in range(64):  # steps of 1 to 8 rows taking 8 ms plus 2 ms a row: dearer rows than the prior's
         rows = 1 + i % 8
-        cost.add(rows, 0.008 + 0.001 * rows)
-    assert cost.row_share(1) == pytest.approx(1 / 9) and cost.row_share(8) == pytest.approx(1 / 16)
+        cost.add(rows, 0.008 + 0.002 * rows)
+    assert cost.row_share(1) == pytest.approx(2 / 10) and cost.row_share(8) == pytest.approx(2 / 24)
+    cheap = StepCost()
+    for i in range(64):  # rows cheaper than the prior says: the prior stands
+        cheap.add(1 + i % 8, 0.008 + 0.0001 * (1 + i % 8))
+    assert cheap.row_share(1) == pytest.approx(PRIOR_ROW_SHARE)
 
 
 def test_greedy_replies_are_generates_with_drafts_accepted_and_rejected():

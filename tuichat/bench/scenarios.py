@@ -125,7 +125,7 @@ class _Run:
         try:
             if self.serve is None:
                 self.serve = ServePeer(self.settings.model, self.settings.engine_options(),
-                                       [Message("user", WARMUP_QUESTION)])
+                                       [Message("user", WARMUP_QUESTION)], self.settings.tabs)
             return work(self.serve)
         except (BackendError, OSError, KeyError, ValueError) as exc:
             return {"skipped": f"tuichat serve failed: {exc}"}

@@ -387,12 +387,14 @@ class Engine:
         """Drafts for the sequences about to decode: what followed the latest earlier occurrence of their last
         few tokens (speculate.py). auto sizes each draft by what pays: a row is worth adding while the chance
         its token is kept beats the share of the step it adds times the tokens the step gives (at a large batch
-        only drafts that are nearly sure pay). The scheduler fits drafts into the step; `_take` keeps what the
-        model agrees with."""
+        only drafts that are nearly sure pay), and drafts nothing while a prompt waits to be computed. The
+        scheduler fits drafts into the step; `_take` keeps what the model agrees with."""
         mode = self.config.speculate
         if mode == "off":
             return
         decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1]
+        # auto leaves the step to prompts waiting to be computed: a draft's rows would delay their first token.
+        prefilling = self.scheduler.waiting or len(decoding) < len(self.scheduler.running)
         worth = 0.0 if mode == "ngram" else self._step_cost.row_share(len(decoding)) * len(decoding)
         room = min(self.capacity_tokens, self.max_model_len)
         for seq in decoding:
@@ -400,7 +402,10 @@ class Engine:
                 seq.proposer = speculate.NgramProposer()
             # The token each step adds after its draft counts against max_tokens and the context too.
             limit = min(seq.params.max_tokens - seq.num_completion_tokens, room - len(seq)) - 1
-            wanted = speculate.draft_length(seq.proposer.acceptance, worth) if worth else speculate.MAX_DRAFT
+            if mode == "ngram":
+                wanted = speculate.MAX_DRAFT
+            else:
+                wanted = 0 if prefilling else speculate.draft_length(seq.proposer.acceptance, worth)
             seq.draft = seq.proposer.propose(seq.token_ids, min(limit, wanted))
 
     def _take(self, chunk: ScheduledChunk, tokens: list[int | None], now: float) -> int:

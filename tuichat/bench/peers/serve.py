@@ -37,14 +37,16 @@ def engine_flags(options: EngineOptions) -> list[str]:
 class ServePeer(LoopbackServer):
     name = "tuichat serve"
 
-    def __init__(self, model: str, options: EngineOptions, warmup: Sequence[Message],
+    def __init__(self, model: str, options: EngineOptions, warmup: Sequence[Message], clients: int = 1,
                  ready_timeout_s: float = 300.0) -> None:
         self.model = model
         env = {k: v for k, v in os.environ.items() if k != "TUICHAT_API_KEY"}
         super().__init__(lambda port: [sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--model", model,
                                        "--log-level", "warning", *engine_flags(options)], env, ready_timeout_s)
         try:
-            self.generate(warmup, 4)  # like every other system's warm-up
+            # Like every other system's warm-up, but as `clients` at once: a fresh server process has not yet run
+            # a batch (the in-process engine's process has, in the scenarios before).
+            self.concurrently(lambda i: self.generate(warmup, 4), clients, 0.0)
         except BaseException:
             self.close()
             raise
