@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import click
 
-from tuichat.backend import BackendError, EngineOptions, Message, chat_sampling
+from tuichat.backend import BackendError, EngineOptions, Message, RemoteStats, chat_sampling
 
 
 def engine_options(func):
@@ -209,12 +209,13 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
                 click.echo()
             raise BackendError(f"the reply above is partial: {last.error}" if text and not as_json else last.error)
         stats = backend.stats(name)
+        local = not isinstance(stats, RemoteStats)  # a server's own settings are not known to the client
         result = {
             "text": "".join(text),
             "model": name,
             "device": stats.device,
             "dtype": stats.dtype,
-            "quant": options.quant,
+            "quant": options.quant if local else None,
             "weights": stats.weights,  # what --quant gave: "Q8_0", or "bfloat16 (int8 needs the C layers: why)"
             "weight_mb": round(stats.weight_bytes / 2**20, 1),
             "prompt_tokens": usage.prompt_tokens,
@@ -225,7 +226,7 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             "e2e_ms": usage.e2e_ms,
             "finish_reason": usage.finish_reason,
             "finish_detail": usage.finish_detail,
-            "speculate": options.speculate,
+            "speculate": stats.speculate if local else None,
             "tokens_per_step": usage.tokens_per_step,
             "draft_tokens": usage.draft_tokens,
             "accepted_tokens": usage.accepted_tokens,
