@@ -1,33 +1,30 @@
 """What HTTP costs: the bench's tabs workload (8 conversations 100 ms apart, up to 64 tokens each) in process,
-through LocalBackend, then as 8 concurrent streaming clients of `tuichat serve` (the official openai client),
-on the same model and options.
+through LocalBackend, then as 8 concurrent streaming clients of `tuichat serve` (the bench's ServePeer starts
+it), with the official openai client and with the bench's light one (SSE lines, json.loads).
 
     python scripts/serve_overhead.py [--model smollm2-135m] [--tabs 8] [--rounds 3] [--client both]
 
 Prints aggregate tok/s and TTFT p50/p90 of each way (the median over --rounds), and HTTP's against in process.
 The clients share the machine with the server: the official openai client's own parsing is part of its figure.
+`tuichat bench --scenarios tabs --peers tuichat_serve` measures the light client's way once, with targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx
 import openai
 
 from tuichat.backend import EngineOptions, Message, SamplingParams
-from tuichat.bench.corpus import QUESTIONS
+from tuichat.bench.corpus import QUESTIONS, WARMUP_QUESTION
+from tuichat.bench.peers.serve import ServePeer
 from tuichat.bench.peers.tuichat import run_tabs
 from tuichat.bench.stats import percentile
 from tuichat.local import LocalBackend
@@ -39,26 +36,29 @@ def summary(ttfts: list[float], tokens: int, wall: float) -> dict:
     return {"tok_s": tokens / wall, "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9)}
 
 
+def conversations(tabs: int) -> list[list[Message]]:
+    return [[Message("user", QUESTIONS[i % len(QUESTIONS)])] for i in range(tabs)]
+
+
 async def in_process(model: str, tabs: int, rounds: int) -> list[dict]:
     backend = LocalBackend(EngineOptions(), model)
     await backend.load(model)
-    params = SamplingParams(max_tokens=TOKENS)
     out = []
     for r in range(rounds + 1):  # the first round warms up
-        conversations = [[Message("user", QUESTIONS[i % len(QUESTIONS)])] for i in range(tabs)]
-        results, wall = await run_tabs(backend, conversations, params, STAGGER, tag=f"round{r}")
+        results, wall = await run_tabs(backend, conversations(tabs), SamplingParams(max_tokens=TOKENS), STAGGER,
+                                       tag=f"round{r}")
         if r:
             out.append(summary([x.ttft_ms for x in results], sum(x.tokens for x in results), wall))
     await backend.close()
     return out
 
 
-async def over_http(base: str, model: str, tabs: int, rounds: int, client: str) -> list[dict]:
+async def with_openai(base: str, model: str, tabs: int, rounds: int) -> list[dict]:
     api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    http = httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=tabs))
 
-    async def with_openai(i: int) -> tuple[float | None, int]:
-        first, tokens = None, 0
+    async def tab(i: int, t0: float) -> tuple[float, int, float]:
+        await asyncio.sleep(max(0.0, t0 + i * STAGGER - time.perf_counter()))
+        sent, first, tokens = time.perf_counter(), None, 0
         stream = await api.chat.completions.create(
             model=model, temperature=0, max_tokens=TOKENS, stream=True, stream_options={"include_usage": True},
             messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
@@ -67,29 +67,6 @@ async def over_http(base: str, model: str, tabs: int, rounds: int, client: str) 
                 first = time.perf_counter()
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
-        return first, tokens
-
-    async def with_httpx(i: int) -> tuple[float | None, int]:
-        """A light client (SSE lines, json.loads), as vLLM's serving benchmark is: what the server costs."""
-        first, tokens = None, 0
-        body = {"model": model, "temperature": 0, "max_tokens": TOKENS, "stream": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    first = time.perf_counter()
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-        return first, tokens
-
-    async def tab(i: int, t0: float) -> tuple[float, int, float]:
-        await asyncio.sleep(max(0.0, t0 + i * STAGGER - time.perf_counter()))
-        sent = time.perf_counter()
-        first, tokens = await (with_openai if client == "openai" else with_httpx)(i)
         return (first - sent) * 1000, tokens, time.perf_counter()
 
     out = []
@@ -99,7 +76,14 @@ async def over_http(base: str, model: str, tabs: int, rounds: int, client: str) 
         if r:
             out.append(summary([x[0] for x in results], sum(x[1] for x in results), max(x[2] for x in results) - t0))
     await api.close()
-    await http.aclose()
+    return out
+
+
+def with_light_client(server: ServePeer, tabs: int, rounds: int) -> list[dict]:
+    out = []
+    for _ in range(rounds):  # the peer warmed up with `tabs` clients at once
+        results, wall = server.tabs(conversations(tabs), TOKENS, STAGGER)
+        out.append(summary([x.ttft_ms for x in results], sum(x.tokens for x in results), wall))
     return out
 
 
@@ -109,31 +93,19 @@ def main() -> None:
     parser.add_argument("--tabs", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", choices=["openai", "httpx", "both"], default="both",
-                        help="the official openai client, a light httpx one (SSE lines, json.loads), or each in turn")
+                        help="the official openai client, the bench's light one, or each in turn")
     args = parser.parse_args()
     local = asyncio.run(in_process(args.model, args.tabs, args.rounds))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--model", args.model,
-                               "--log-level", "warning"], env={k: v for k, v in os.environ.items() if k != "TUICHAT_API_KEY"})
-    base = f"http://127.0.0.1:{port}"
+    server = ServePeer(args.model, EngineOptions(), [Message("user", WARMUP_QUESTION)], args.tabs)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                sys.exit("tuichat serve did not start")
-            time.sleep(0.2)
-        clients = ["openai", "httpx"] if args.client == "both" else [args.client]
-        remote = {client: asyncio.run(over_http(base, args.model, args.tabs, args.rounds, client)) for client in clients}
+        base = f"http://127.0.0.1:{server.port}"
+        remote = {}
+        if args.client in ("openai", "both"):
+            remote["openai"] = asyncio.run(with_openai(base, args.model, args.tabs, args.rounds))
+        if args.client in ("httpx", "both"):
+            remote["light"] = with_light_client(server, args.tabs, args.rounds)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.close()
 
     def med(runs: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in runs)

@@ -55,6 +55,7 @@ class _Loaded:
     device: str
     dtype: str
     last_used: float
+    sampling: dict  # what the model's generation config recommends (read once, at load)
     leases: int = 0  # streams using the engine now: an engine with leases is never evicted
 
 
@@ -150,7 +151,7 @@ class LocalBackend:
                 loaded.last_used = time.monotonic()
                 return resolved.name
             from tuichat.engine import loader
-            from tuichat.engine.engine import Engine, EngineConfig
+            from tuichat.engine.engine import Engine, EngineConfig, recommended_sampling
 
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
@@ -175,7 +176,8 @@ class LocalBackend:
             engine.start()
             with self._lease_lock:
                 self._loaded[resolved.name] = _Loaded(
-                    engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic()
+                    engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
+                    recommended_sampling(weights),
                 )
             return resolved.name
 
@@ -360,11 +362,7 @@ class LocalBackend:
 
     def sampling_defaults(self, model: str) -> dict:
         loaded = self._loaded.get(self._names.get(model, model))
-        if loaded is None:
-            return {}
-        from tuichat.engine.engine import recommended_sampling
-
-        return recommended_sampling(loaded.engine.model)
+        return dict(loaded.sampling) if loaded is not None else {}
 
     async def close(self) -> None:
         for loaded in self._loaded.values():
