@@ -483,6 +483,10 @@ static inline int int8_path(int format, int K) { (void)format; (void)K; return 0
  * (Q4_1) the 16 fp16 minimums: the same bytes as GGUF's, tile by tile in the order they are read. */
 #define TILED_ROWS 16
 #define TILED_MR 6  /* input rows per pass over a tile: 6 accumulators, 8 weight vectors, of 32 registers */
+/* A decode's tiles stream from DRAM, each thread through one contiguous range of them (static schedule):
+ * asking for the bytes this far ahead keeps enough loads in flight, where the hardware prefetcher, restarted
+ * at every short range a dynamic schedule handed out, did not. */
+#define PREFETCH_BYTES 4096
 static inline int tiled_path(int K) { return K % 32 == 0; }
 
 static inline int tiled_block_bytes(int format) {
@@ -530,6 +534,7 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
     for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t *block = tile + (long)b * bytes;
+        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
         __m512i w[8];
         if (format == FMT_Q8_0) {
             for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
@@ -596,7 +601,7 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
     int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
     quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
     #pragma omp barrier
-    #pragma omp for schedule(dynamic, 2)
+    #pragma omp for schedule(static)
     for (int t = 0; t < N / TILED_ROWS; t++) {
         const uint8_t *tile = w + t * tile_bytes;
         const int n0 = t * TILED_ROWS;
