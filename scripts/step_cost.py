@@ -7,7 +7,7 @@ Three ways, each the median ITL over `--steps` decode steps:
 - thread: loaded on a thread that then ends, served by the engine thread, requests with plain callbacks;
 - product: LocalBackend.stream consumed by an asyncio loop on the main thread, as `tuichat ask` and the TUI
   run it (adds the event loop, the GIL between the two threads, the per-token events).
-Each way and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
+Speculation is off in every way: a step is one token per sequence. Each way and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
 policy once, at start, and keeps a thread pool for every live thread that ran a parallel region.
 """
 
@@ -42,7 +42,7 @@ def measure(way: str, model: str, dtype: str, quant: str, steps: int) -> dict:
     def fresh() -> Engine:
         device = loader.resolve_device("auto")
         weights, tokenizer = loader.load(resolved, device, loader.resolve_dtype(dtype, device, loader.family(resolved)))
-        return Engine(weights, tokenizer, EngineConfig(quant=quant), name=resolved.name, source=resolved)
+        return Engine(weights, tokenizer, EngineConfig(quant=quant, speculate="off"), name=resolved.name, source=resolved)
 
     def prompt_of(engine: Engine) -> list[int]:
         return engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -88,7 +88,7 @@ def measure(way: str, model: str, dtype: str, quant: str, steps: int) -> dict:
             out[f"thread b{batch}"] = statistics.median(b - a for t in times for a, b in zip(t[1:], t[2:])) * 1e3
         engine.close()
     else:  # the product: LocalBackend.stream consumed by an asyncio loop, as `tuichat ask` and the TUI run it
-        product = LocalBackend(EngineOptions(dtype=dtype, quant=quant), model)
+        product = LocalBackend(EngineOptions(dtype=dtype, quant=quant, speculate="off"), model)
 
         async def tabs(batch: int) -> float:
             async def one(i: int) -> list[float]:

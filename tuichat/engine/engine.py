@@ -341,7 +341,7 @@ class Engine:
                     self._finish(item, "error", time.monotonic())
                     continue
                 try:
-                    item.generator = make_generator(item.params, self.device)
+                    item.generator = make_generator(item.params)
                     if self.tokenizer is not None:
                         item.detok = IncrementalDetokenizer(self.tokenizer, item.token_ids)
                     item.stop_matcher = StopMatcher(item.params.stop)

@@ -57,7 +57,7 @@ class Sequence:
     first_text_time: float | None = None
     last_text_time: float | None = None
     itl_ms: list[float] = field(default_factory=list)
-    generator: object | None = None  # per-request torch.Generator, so a seed holds whatever the batch
+    generator: object | None = None  # per-request sampler.Noise, so a seed holds whatever the batch
     detok: object | None = None
     stop_matcher: object | None = None
     proposer: object | None = None  # a speculate.NgramProposer, while speculation is on

@@ -61,7 +61,7 @@ class SamplingParams:
             problems.append(f"top_k must be a whole number ≥ 0 (0 is off), not {self.top_k!r}")
         if not (whole(self.max_tokens) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be a whole number ≥ 1, not {self.max_tokens!r}")
-        # torch's generators take a seed of 64 bits.
+        # Seeds are 64-bit, as torch's and numpy's generators take them.
         if self.seed is not None and not (whole(self.seed) and 0 <= self.seed < 2**64):
             problems.append(f"seed must be a whole number from 0 to 2**64 - 1, or unset, not {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
