@@ -1,4 +1,5 @@
-"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32), for the CPU kernels.
+"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32; Q4_K, Q5_K and Q6_K re-cut into
+blocks of 32), for the CPU kernels.
 
 A CPU decode step is bound by reading the weights; dequantized to bf16, SmolLM2-135M's Q4_1 file becomes 269
 MB a step where its own blocks are 96. The kernels (vector_linear.c) either expand a tile of blocks at a time
@@ -27,9 +28,13 @@ import numpy as np
 import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
-PACK_VERSION = "2"  # of the cached layout: bump when CpuKernels.pack changes what it writes
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0: bytes per block of 32 weights
-NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes what it writes
+# Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them, and a
+# K-quant's superblocks re-cut into blocks of 32 (recut_k_quant): ids 100 + the K type's.
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 112: 24, 113: 40, 114: 36}
+NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K"}
+K_QUANTS = {12: 112, 13: 113, 14: 114}  # GGUF's Q4_K, Q5_K, Q6_K: the ids their re-cut blocks go by
+_SUPERBLOCK_BYTES = {12: 144, 13: 176, 14: 210}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 # --quant for a dense checkpoint: (the blocks its decoder linears are quantized to, the lm_head's), groups of 32
@@ -84,6 +89,43 @@ def _matches(blocks: np.ndarray, qtype, weight: torch.Tensor, rows: np.ndarray) 
     return torch.equal(expected.to(weight.dtype), weight[sample].detach())
 
 
+def recut_k_quant(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K rows (superblocks of 256 weights) re-cut into blocks of 32 that the kernels' tiles take
+    as they take Q4_1 and Q8_0, each weight still gguf's own dequantized value, bit for bit:
+    - Q4_K, Q5_K (an fp16 scale and minimum, eight 6-bit sub-scales and sub-minimums): each block's own scale and
+      minimum in fp32 (d * sc and -dmin * m, exact there), then Q4_K's nibbles in Q4_1's order (byte j: weight j
+      low, j + 16 high) or Q5_K's 5-bit quants a byte each;
+    - Q6_K (an fp16 d, an int8 scale per 16 weights): d, the block's two int8 scales, its 32 quants less 32.
+    Why re-cut rather than read the superblocks: the same tiles then serve every format, for 24, 40 or 36 bytes a
+    block of 32 (the file's 18, 22 and 26), against bf16's 64."""
+    from gguf.quants import Q4_K
+
+    rows, size = blocks.shape[0], _SUPERBLOCK_BYTES[qtype]
+    superblocks = blocks.reshape(-1, size)
+    if qtype == 14:
+        ql = superblocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = superblocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((ql & np.uint8(15)).reshape(-1, 8, 32) | ((qh & np.uint8(3)).reshape(-1, 8, 32) << np.uint8(4)))
+        body = (q.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+        d = np.repeat(superblocks[:, 208:210][:, None, :], 8, axis=1)
+        scales = superblocks[:, 192:208].reshape(-1, 8, 2)
+        return np.ascontiguousarray(np.concatenate([d, scales, body], axis=-1).reshape(rows, -1))
+    d = superblocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = superblocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(superblocks[:, 4:16])
+    scale = d * sc.astype(np.float32)  # [superblocks, 8]
+    minimum = -(dmin * m.astype(np.float32))
+    qs = superblocks[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(15)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j + 1: its high ones
+    if qtype == 13:
+        qh = superblocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        body = q | ((qh & np.uint8(1)) << np.uint8(4))
+    else:
+        body = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
+    head = np.stack([scale, minimum], axis=-1).astype(np.float32).view(np.uint8).reshape(-1, 8, 8)
+    return np.ascontiguousarray(np.concatenate([head, body], axis=-1).reshape(rows, -1))
+
+
 def _linears(model) -> dict[str, torch.nn.Module]:
     """{parameter name: module} of each decoder linear and the lm_head, by transformers' own names (before
     fusion.speed_up_linears fuses q/k/v and gate/up)."""
@@ -94,10 +136,10 @@ def _linears(model) -> dict[str, torch.nn.Module]:
 
 
 def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
-    """{parameter name: packed weight} for each decoder linear and the lm_head whose GGUF tensor is Q8_0, Q4_0
-    or Q4_1 and whose rows match the model's own weights, laid out for `kernel` (cpu_kernel.CpuKernels);
-    everything else keeps the model's weights."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    """{parameter name: packed weight} for each decoder linear and the lm_head whose GGUF tensor is Q8_0, Q4_0,
+    Q4_1 (or, where the kernels take them, Q4_K, Q5_K or Q6_K) and whose rows match the model's own weights, laid out
+    for `kernel` (cpu_kernel.CpuKernels); everything else keeps the model's weights."""
+    from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
     reader = GGUFReader(str(path))
     arch_field = reader.fields.get("general.architecture")
@@ -117,11 +159,16 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
             candidates.append("token_embd.weight")  # tied embeddings: the rows check below tells
         tensor = next((tensors[c] for c in candidates if c in tensors), None)
         weight = getattr(module, "weight", None)
-        if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES or weight is None or weight.dim() != 2:
+        if tensor is None or weight is None or weight.dim() != 2:
+            continue
+        qtype = int(tensor.tensor_type)
+        format = K_QUANTS.get(qtype, qtype)
+        if format not in BLOCK_BYTES:
             continue
         blocks = np.asarray(tensor.data)
         out_features, in_features = weight.shape
-        if blocks.shape != (out_features, in_features // 32 * BLOCK_BYTES[int(tensor.tensor_type)]):
+        weights_per_block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        if in_features % weights_per_block or blocks.shape != (out_features, in_features // weights_per_block * block_bytes):
             continue
         orders = [np.arange(out_features)]
         if module_name.endswith(("q_proj", "k_proj")):
@@ -129,8 +176,12 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         rows = next((order for order in orders if _matches(blocks, tensor.tensor_type, weight, order)), None)
         if rows is None:
             continue
-        data = kernel.pack(np.ascontiguousarray(blocks[rows]), int(tensor.tensor_type), in_features)
-        packed[module_name] = PackedWeight(data, int(tensor.tensor_type), out_features, in_features)
+        blocks = np.ascontiguousarray(blocks[rows])
+        try:
+            data = kernel.pack(recut_k_quant(blocks, qtype) if format != qtype else blocks, format, in_features)
+        except ValueError:  # a format these kernels do not take (K-quants off the 512-bit VNNI path): bf16
+            continue
+        packed[module_name] = PackedWeight(data, format, out_features, in_features)
     return packed
 
 

@@ -150,6 +150,16 @@ static int vector_linear(const uint16_t *x, const uint16_t *w, const uint16_t *b
  * (Q4: byte j of a block holds weight j low and j + 16 high; Q8_0: one int8 each), then every block's fp16
  * scale d, then (Q4_1) every block's fp16 minimum m. Weight = d * q + m; Q4_0: d * (q - 8); Q8_0: d * q. */
 enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_BF16 = 30 };  /* ggml's type numbers */
+/* A K-quant's superblocks (quant.py: recut_k_quant) re-cut into blocks of 32, 100 + ggml's number of the type
+ * they came from. Q4_K and Q5_K: the scale and minimum each block's weights really have (d * sc and -dmin * m:
+ * exact in fp32), then 16 bytes of nibbles in Q4_1's order or 32 bytes of 5-bit quants; they run as Q4_1 does.
+ * Q6_K: its fp16 d, the two int8 scales of the block's halves, then 32 signed bytes q - 32. Only the tiled
+ * (512-bit VNNI) path takes them. */
+enum { FMT_Q4_K_32 = 112, FMT_Q5_K_32 = 113, FMT_Q6_K_32 = 114 };
+static inline int from_k_quant(int format) { return format >= FMT_Q4_K_32 && format <= FMT_Q6_K_32; }
+static inline int k_block_bytes(int format) {
+    return format == FMT_Q4_K_32 ? 24 : format == FMT_Q5_K_32 ? 40 : format == FMT_Q6_K_32 ? 36 : 0;
+}
 #define MAX_BLOCKS 1024  /* K up to 32768 */
 
 static int block_bytes(int format) {
@@ -490,7 +500,50 @@ static inline int int8_path(int format, int K) { (void)format; (void)K; return 0
 static inline int tiled_path(int K) { return K % 32 == 0; }
 
 static inline int tiled_block_bytes(int format) {
-    return format == FMT_Q8_0 ? 512 + 32 : format == FMT_Q4_1 ? 256 + 64 : 256 + 32;
+    switch (format) {
+        case FMT_Q8_0: return 512 + 32;
+        case FMT_Q4_1: return 256 + 64;
+        case FMT_Q4_K_32: return 256 + 128;
+        case FMT_Q5_K_32: return 512 + 128;
+        case FMT_Q6_K_32: return 512 + 32 + 32;
+        default: return 256 + 32;
+    }
+}
+
+/* Whether a format's quants take a byte each in a tile (else a nibble). */
+static inline int byte_quants(int format) { return format == FMT_Q8_0 || format == FMT_Q5_K_32 || format == FMT_Q6_K_32; }
+
+/* Q6_K's block of 16 rows: its weights are signed (q - 32), so dpbusd takes them as its signed operand and the
+ * inputs as the unsigned one, shifted by 128 (x + 128 in 1..255); 128 times the weights' sum over each half, a
+ * product of the weights alone, comes back out in int32. Each half then has its own scale, d * sc. */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *block, const int8_t *q, const float *dx,
+                                                           int K, int blocks, int b, int m0, const int mr, __m512 *acc) {
+    __m512i w[8];
+    for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
+    const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(block + 544)));  /* hi:lo */
+    const __m512 scale_lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24)));
+    const __m512 scale_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 8)));
+    const __m512i shift = _mm512_set1_epi8((char)0x80);
+    __m512i back_lo = _mm512_setzero_si512(), back_hi = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        back_lo = _mm512_dpbusd_epi32(back_lo, shift, w[g]);
+        back_hi = _mm512_dpbusd_epi32(back_hi, shift, w[g + 4]);
+    }
+    for (int j = 0; j < mr; j++) {
+        const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {
+            uint32_t four, four_hi;
+            memcpy(&four, xq + 4 * g, 4);
+            memcpy(&four_hi, xq + 16 + 4 * g, 4);
+            lo = _mm512_dpbusd_epi32(lo, _mm512_set1_epi32((int)(four ^ 0x80808080u)), w[g]);
+            hi = _mm512_dpbusd_epi32(hi, _mm512_set1_epi32((int)(four_hi ^ 0x80808080u)), w[g + 4]);
+        }
+        __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, back_lo)), scale_lo);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, back_hi)), scale_hi, sum);
+        acc[j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(dx[(long)(m0 + j) * blocks + b]), acc[j]);
+    }
 }
 
 /* Input rows [first, last) (bf16, or fp32 with f32): int8 quants in their own order (q, M x K), and per block dx
@@ -527,7 +580,7 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
                                                              const int8_t *q, const float *dx, const float *sx,
                                                              int K, const uint16_t *bias, void *y,
                                                              long y_stride, int n0, int m0, const int mr, int f32) {
-    const int quants = format == FMT_Q8_0 ? 512 : 256, bytes = tiled_block_bytes(format);
+    const int quants = byte_quants(format) ? 512 : 256, bytes = tiled_block_bytes(format);
     const __m512i low = _mm512_set1_epi8(15);
     const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f);
     __m512 acc[TILED_MR];
@@ -535,8 +588,12 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
     for (int b = 0; b < blocks; b++) {
         const uint8_t *block = tile + (long)b * bytes;
         for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
+        if (format == FMT_Q6_K_32) {
+            q6_block(block, q, dx, K, blocks, b, m0, mr, acc);
+            continue;
+        }
         __m512i w[8];
-        if (format == FMT_Q8_0) {
+        if (byte_quants(format)) {
             for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
         } else {
             for (int h = 0; h < 4; h++) {
@@ -545,9 +602,15 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
                 w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants)));
-        __m512 minimum = format == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants + 32)))
-                                            : _mm512_mul_ps(d, offset);
+        __m512 d, minimum;
+        if (from_k_quant(format)) {
+            d = _mm512_loadu_ps(block + quants);
+            minimum = _mm512_loadu_ps(block + quants + 64);
+        } else {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants)));
+            minimum = format == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants + 32)))
+                                         : _mm512_mul_ps(d, offset);
+        }
         for (int j = 0; j < mr; j++) {
             const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
             __m512i sums = _mm512_setzero_si512();
@@ -608,6 +671,9 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
 #define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T4_K(mr, m0) tiled_tile(tile, FMT_Q4_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T5_K(mr, m0) tiled_tile(tile, FMT_Q5_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T6_K(mr, m0) tiled_tile(tile, FMT_Q6_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
@@ -619,6 +685,9 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
         switch (format) {
             case FMT_Q4_0: T_TILES(T4_0); break;
             case FMT_Q4_1: T_TILES(T4_1); break;
+            case FMT_Q4_K_32: T_TILES(T4_K); break;
+            case FMT_Q5_K_32: T_TILES(T5_K); break;
+            case FMT_Q6_K_32: T_TILES(T6_K); break;
             default: T_TILES(T8_0); break;
         }
     }
@@ -626,17 +695,20 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
     return 0;
 }
 
-/* GGUF blocks into tiles (see above). */
+/* GGUF blocks (or a K-quant's blocks of 32) into tiles (see above). */
 static void pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
-    const int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2;
-    const int quants = format == FMT_Q8_0 ? 512 : 256, out_bytes = tiled_block_bytes(format);
+    const int k = from_k_quant(format), bytes = k ? k_block_bytes(format) : block_bytes(format), blocks = K / 32;
+    /* the block's head: its scale (an fp32 one for Q4_K, Q5_K), then a minimum (or Q6_K's two int8 scales) */
+    const int scale = format == FMT_Q4_K_32 || format == FMT_Q5_K_32 ? 4 : 2;
+    const int head = k || format == FMT_Q4_1 ? 2 * scale : 2;
+    const int quants = byte_quants(format) ? 512 : 256, out_bytes = tiled_block_bytes(format);
     for (int t = 0; t < N / TILED_ROWS; t++)
         for (int b = 0; b < blocks; b++) {
             uint8_t *out = dst + ((long)t * blocks + b) * out_bytes;
             for (int r = 0; r < TILED_ROWS; r++) {
                 const uint8_t *block = src + ((long)(t * TILED_ROWS + r) * blocks + b) * bytes;
-                memcpy(out + quants + 2 * r, block, 2);
-                if (format == FMT_Q4_1) memcpy(out + quants + 32 + 2 * r, block + 2, 2);
+                memcpy(out + quants + scale * r, block, scale);
+                if (head > scale) memcpy(out + quants + 16 * scale + scale * r, block + scale, scale);
                 for (int i = 0; i < bytes - head; i++)  /* quant byte i: vector i / 4, lane r, byte i % 4 */
                     out[64 * (i / 4) + 4 * r + i % 4] = format == FMT_Q8_0 ? (uint8_t)(block[head + i] ^ 0x80)
                                                                            : block[head + i];
@@ -650,7 +722,8 @@ static inline int tiled_path(int K) { (void)K; return 0; }
 /* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks; x and y bf16, or fp32 with f32. */
 static int quantized_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                             int K, long x_stride, long y_stride, int threads, int f32) {
-    if (M < 1 || M > 512 || K % 32 || N % 16 || !block_bytes(format) || K / 32 > MAX_BLOCKS) return -1;
+    if (M < 1 || M > 512 || K % 32 || N % 16 || K / 32 > MAX_BLOCKS) return -1;
+    if (!block_bytes(format) && !(from_k_quant(format) && tiled_path(K))) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (tiled_path(K)) return tiled_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
@@ -663,6 +736,7 @@ static int quantized_linear(const void *x, const uint8_t *w, int format, const u
 /* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
 const char *pack_layout(int format, int K) {
     if (tiled_path(K)) return "tiles";
+    if (from_k_quant(format)) return "none";
     return int8_path(format, K) ? "pairs" : "rows";
 }
 
@@ -671,7 +745,7 @@ const char *pack_layout(int format, int K) {
  * then (Q4_1) the fp16 minimums. 0, or -1 for a format or shape it does not take. */
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
-    if (!bytes || K % 32 || blocks > MAX_BLOCKS) return -1;
+    if ((!bytes && !from_k_quant(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (tiled_path(K)) {
         if (N % TILED_ROWS) return -1;
@@ -679,6 +753,7 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
         return 0;
     }
 #endif
+    if (from_k_quant(format)) return -1;  /* the tiled path's only */
     int paired = int8_path(format, K);
     for (long n = 0; n < N; n++) {
         const uint8_t *row = src + n * blocks * bytes;
