@@ -28,12 +28,15 @@ FORMATS = [dict(attn_q=Q8_0, attn_k=Q8_0, attn_v=Q8_0, attn_output=Q4_0, ffn_gat
 OUTPUT_FORMAT = Q4_0
 HF_NAMES = dict(attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
                 attn_output="self_attn.o_proj", ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj")
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-# The K-quant model: superblocks of 256 need a hidden size of 256 (head_dim 64). Its lm_head is Q6_K, as a
-# Q4_K_M file's output tensor is.
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
+# The model of the re-cut formats (K-quants, and Q5_0/Q5_1, which llama.cpp's K-quant mixes fall back to for
+# rows not a multiple of 256): superblocks of 256 need a hidden size of 256 (head_dim 64). Its lm_head is Q6_K,
+# as a Q4_K_M file's output tensor is.
 HIDDEN_K, INTER_K = 256, 512
-FORMATS_K = [dict(attn_q=Q4_K, attn_k=Q4_K, attn_v=Q4_K, attn_output=Q6_K, ffn_gate=Q4_K, ffn_up=Q4_K, ffn_down=Q5_K),
-             dict(attn_q=Q5_K, attn_k=Q5_K, attn_v=Q5_K, attn_output=Q4_K, ffn_gate=Q6_K, ffn_up=Q6_K, ffn_down=Q4_K)]
+# Layer 0's v has more bits than its q and k (as a Q4_K_M file's does in half its layers), layer 1's gate and up
+# differ: those linears run part by part.
+FORMATS_K = [dict(attn_q=Q4_K, attn_k=Q4_K, attn_v=Q6_K, attn_output=Q6_K, ffn_gate=Q4_K, ffn_up=Q4_K, ffn_down=Q5_K),
+             dict(attn_q=Q5_K, attn_k=Q5_K, attn_v=Q5_K, attn_output=Q5_1, ffn_gate=Q6_K, ffn_up=Q5_0, ffn_down=Q5_0)]
 OUTPUT_FORMAT_K = Q6_K
 
 
@@ -149,7 +152,7 @@ def build_tiny(tmp_path_factory, session_cache, hidden: int = HIDDEN, inter: int
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     weights = write_gguf(path, hidden=hidden, inter=inter, formats=formats, output_format=output_format)
     reader = GGUFReader(str(path))
-    quantized = [t for t in reader.tensors if int(t.tensor_type) in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)]
+    quantized = [t for t in reader.tensors if int(t.tensor_type) in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)]
     assert len(quantized) == 7 * LAYERS + 1
     q0 = next(t for t in quantized if t.name == "blk.0.attn_q.weight")
     patch = pytest.MonkeyPatch()
@@ -175,7 +178,7 @@ def tiny(tmp_path_factory, session_cache) -> TinyGGUF:
 
 @pytest.fixture(scope="module")
 def tiny_k(tmp_path_factory, session_cache) -> TinyGGUF:
-    """Its linears in Q4_K, Q5_K and Q6_K (the formats of Q4_K_M and Q5_K_M files), the lm_head in Q6_K."""
+    """Its linears in Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 (what Q4_K_M and Q5_K_M files hold), the lm_head in Q6_K."""
     return build_tiny(tmp_path_factory, session_cache, HIDDEN_K, INTER_K, FORMATS_K, OUTPUT_FORMAT_K)
 
 
@@ -327,8 +330,8 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, tiny, mo
 
 def test_a_linear_whose_rows_do_not_match_stays_in_bf16(kernels, tiny, tmp_path):
     """Rows in an order neither the file's nor llama.cpp's Q/K order explains (two of layer 1's K rows
-    swapped in the loaded model): that fused q/k/v is served from the model's bf16 weights, never from the
-    file's blocks in a wrong order; every other linear is still packed."""
+    swapped in the loaded model): that K is served from the model's bf16 weights, never from the file's blocks
+    in a wrong order; q and v beside it, and every other linear, are still packed."""
     resolved = own_copy(tiny, tmp_path)  # a packed cache holds what the untampered model matched
     model = load(tiny, resolved)
     k = model.model.layers[1].self_attn.k_proj.weight
@@ -337,7 +340,7 @@ def test_a_linear_whose_rows_do_not_match_stays_in_bf16(kernels, tiny, tmp_path)
     served = engine(tiny, resolved, model)
     formats = [w.format for w in served.runner.native.weights]
     want = expected_formats()
-    want[4] = quant.BF16  # layer 1's q/k/v
+    want[4:5] = [want[4], quant.BF16, want[4]]  # layer 1's q, k, v, apart
     assert formats == want
     assert served.weights == "Q4_0, Q4_1, Q8_0, bfloat16"
     served.close()
@@ -470,7 +473,7 @@ def test_an_unwritable_cache_still_serves(tiny, tmp_path, monkeypatch):
 
 
 def decode_recut(blocks: np.ndarray, format: int) -> np.ndarray:
-    """Weights from blocks of 32 as quant.recut_k_quant documents them (fp32 scale, fp32 minimum, quants; Q6_K:
+    """Weights from blocks of 32 as quant.recut documents them (fp32 scale, fp32 minimum, quants; Q6_K:
     fp16 d, two int8 scales, 32 int8 quants)."""
     per = blocks.reshape(blocks.shape[0], -1, quant.BLOCK_BYTES[format])
     if format == 114:
@@ -484,36 +487,42 @@ def decode_recut(blocks: np.ndarray, format: int) -> np.ndarray:
     return (scale[..., None] * q.astype(np.float32) + minimum[..., None]).reshape(blocks.shape[0], -1)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q5_K, Q6_K])
-def test_k_quant_superblocks_recut_into_blocks_of_32_are_ggufs_own_weights(qtype):
+@pytest.mark.parametrize("qtype", [Q5_0, Q5_1, Q4_K, Q5_K, Q6_K])
+def test_recut_blocks_of_32_are_ggufs_own_weights(qtype):
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
-    blocks = k_quant_blocks(np.random.default_rng(qtype), 48, 768, qtype)
-    if qtype != Q6_K:
+    rng = np.random.default_rng(qtype)
+    if qtype in (Q5_0, Q5_1):
+        blocks = quantize(rng.standard_normal((48, 768), dtype=np.float32), GGMLQuantizationType(qtype))
+    else:
+        blocks = k_quant_blocks(rng, 48, 768, qtype)
+    if qtype in (Q4_K, Q5_K):
         blocks[:, 4:16] = 255  # the largest 6-bit sub-scales and minimums, whose high bits sit apart
-    recut = quant.recut_k_quant(blocks, qtype)
-    assert recut.shape == (48, 768 // 32 * quant.BLOCK_BYTES[quant.K_QUANTS[qtype]])
-    assert np.array_equal(decode_recut(recut, quant.K_QUANTS[qtype]), dequantize(blocks, GGMLQuantizationType(qtype)))
+    recut = quant.recut(blocks, qtype)
+    assert recut.shape == (48, 768 // 32 * quant.BLOCK_BYTES[quant.RECUT[qtype]])
+    assert np.array_equal(decode_recut(recut, quant.RECUT[qtype]), dequantize(blocks, GGMLQuantizationType(qtype)))
 
 
 def test_k_quants_are_served_in_blocks_as_close_to_float32_as_the_other_formats(kernels, tiny_k):
-    """Where the kernels take K-quants (the 512-bit VNNI tiles), the step reads their re-cut blocks and is as
+    """Where the kernels take the re-cut formats (the 512-bit VNNI tiles), the step reads them and is as
     close to the float32 model over the file's weights as Q4_0/Q4_1/Q8_0 are (the bounds of the test above);
     elsewhere those linears stay bf16, and say so."""
     served = engine(tiny_k, prefix_cache=False)
     assert served.layers == "C"
-    if kernels.layout(quant.K_QUANTS[Q4_K], HIDDEN_K) != "tiles":
+    if kernels.layout(quant.RECUT[Q4_K], HIDDEN_K) != "tiles":
         assert served.weights == "bfloat16"
         served.close()
         return
-    assert served.weights == "Q4_K, Q5_K, Q6_K"
-    order = [quant.K_QUANTS[f[name]] for f in FORMATS_K for name in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
-    assert [w.format for w in served.runner.native.weights] == order + [quant.K_QUANTS[OUTPUT_FORMAT_K]]
+    assert served.weights == "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K"
+    parts = [["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate"], ["ffn_down"],  # layer 0: q, k, v apart
+             ["attn_q"], ["attn_output"], ["ffn_gate", "ffn_up"], ["ffn_down"]]  # layer 1: gate and up apart
+    order = [quant.RECUT[FORMATS_K[i // 4][name]] for i, names in enumerate(parts) for name in names]
+    assert [w.format for w in served.runner.native.weights] == order + [quant.RECUT[OUTPUT_FORMAT_K]]
     linears = {**{f"{i}.{n}": f for i, layer in enumerate(FORMATS_K) for n, f in layer.items()}, "output": OUTPUT_FORMAT_K}
     sizes = {**{f"{i}.{n}": a * b for i in range(LAYERS) for n, (a, b) in shapes(HIDDEN_K, INTER_K).items()},
              "output": VOCAB * HIDDEN_K}
-    assert served.weight_bytes == sum(sizes[n] // 32 * quant.BLOCK_BYTES[quant.K_QUANTS[f]] for n, f in linears.items())
+    assert served.weight_bytes == sum(sizes[n] // 32 * quant.BLOCK_BYTES[quant.RECUT[f]] for n, f in linears.items())
     sequences, want = float32_continuations(tiny_k.reference)
     errors, agreement = teacher_forced_error(served, sequences, want)
     served.close()

@@ -137,21 +137,32 @@ class NativeDecoder:
         self.weights: list[PackedWeight] = []  # what each step reads, in decoder.c's order (and the lm_head)
         addresses = []
 
-        def linear(i: int, names: list[str], bf16) -> PackedWeight:
+        def linear(i: int, names: list[str], sizes: list[int], bf16) -> list[PackedWeight]:
+            """The linear as one weight (its parts' blocks joined, or the model's bf16), or, where its parts'
+            blocks differ in format or some part has none, part by part: each part's blocks, else its rows of
+            the bf16 weight."""
             parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
             joined = PackedWeight.cat(parts) if all(parts) else None
-            return joined or PackedWeight.of(bf16.weight)
+            if joined is not None or not any(parts):
+                return [joined or PackedWeight.of(bf16.weight)]
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            return [part or PackedWeight.of(bf16.weight[a:a + n]) for part, a, n in zip(parts, starts, sizes)]
 
+        kv_rows = s.kv_heads * s.head_dim
         for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
-            weights = [linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], attn.fused_q_k_v),
-                       linear(i, ["self_attn.o_proj"], attn.o_proj),
-                       linear(i, ["mlp.gate_proj", "mlp.up_proj"], mlp.fused_gate_up),
-                       linear(i, ["mlp.down_proj"], mlp.down_proj)]
-            for weight, shape in zip(weights, [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim),
-                                               (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]):
+            qkv_parts = linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                               [s.heads * s.head_dim, kv_rows, kv_rows], attn.fused_q_k_v)
+            gate_up_parts = linear(i, ["mlp.gate_proj", "mlp.up_proj"], [s.intermediate] * 2, mlp.fused_gate_up)
+            weights = [*qkv_parts, linear(i, ["self_attn.o_proj"], [s.hidden], attn.o_proj)[0], *gate_up_parts,
+                       linear(i, ["mlp.down_proj"], [s.hidden], mlp.down_proj)[0]]
+            shapes = ([(qkv, s.hidden)] if len(qkv_parts) == 1 else [(n, s.hidden) for n in (s.heads * s.head_dim, kv_rows, kv_rows)])
+            shapes += [(s.hidden, s.heads * s.head_dim)]
+            shapes += [(2 * s.intermediate, s.hidden)] if len(gate_up_parts) == 1 else [(s.intermediate, s.hidden)] * 2
+            shapes += [(s.hidden, s.intermediate)]
+            for weight, shape in zip(weights, shapes, strict=True):
                 _check_weight(weight, shape, f"layer {i}")
-            qkv_w, o_w, gate_up_w, down_w = weights
+            qkv_w, o_w, gate_up_w, down_w = qkv_parts[0], weights[len(qkv_parts)], gate_up_parts[0], weights[-1]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if packed:
                 norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]
@@ -167,7 +178,10 @@ class NativeDecoder:
                     dtype = (self.kv_dtype if tensor is kv.k[i] or tensor is kv.v[i]
                              else torch.float32 if any(tensor is n for n in norms) and packed else torch.bfloat16)
                     _check(tensor, shape, f"layer {i}", dtype)
-            addresses += [0 if t is None else t.data_ptr() for t, _ in expected] + [w.format for w in weights]
+            addresses += [0 if t is None else t.data_ptr() for t, _ in expected]
+            addresses += [w.format for w in (qkv_w, o_w, gate_up_w, down_w)]
+            for extra in (qkv_parts[1:] or [None, None]) + (gate_up_parts[1:] or [None]):  # decoder.c's K_W, V_W, UP_W
+                addresses += [0, 0] if extra is None else [extra.data.data_ptr(), extra.format]
             self.weights += weights
         if self.head is not None:
             self.weights.append(self.head)

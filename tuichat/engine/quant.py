@@ -1,5 +1,5 @@
-"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32; Q4_K, Q5_K and Q6_K re-cut into
-blocks of 32), for the CPU kernels.
+"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+re-cut into blocks of 32), for the CPU kernels.
 
 A CPU decode step is bound by reading the weights; dequantized to bf16, SmolLM2-135M's Q4_1 file becomes 269
 MB a step where its own blocks are 96. The kernels (vector_linear.c) either expand a tile of blocks at a time
@@ -29,12 +29,12 @@ import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
 PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes what it writes
-# Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them, and a
-# K-quant's superblocks re-cut into blocks of 32 (recut_k_quant): ids 100 + the K type's.
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 112: 24, 113: 40, 114: 36}
-NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K"}
-K_QUANTS = {12: 112, 13: 113, 14: 114}  # GGUF's Q4_K, Q5_K, Q6_K: the ids their re-cut blocks go by
-_SUPERBLOCK_BYTES = {12: 144, 13: 176, 14: 210}
+# Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them, and the
+# 5-bit and K-quant types re-cut (recut): ids 100 + the GGUF type's.
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
+NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K"}
+RECUT = {6: 106, 7: 107, 12: 112, 13: 113, 14: 114}  # GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: their re-cut ids
+_SOURCE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}  # weights, bytes
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 # --quant for a dense checkpoint: (the blocks its decoder linears are quantized to, the lm_head's), groups of 32
@@ -89,19 +89,28 @@ def _matches(blocks: np.ndarray, qtype, weight: torch.Tensor, rows: np.ndarray) 
     return torch.equal(expected.to(weight.dtype), weight[sample].detach())
 
 
-def recut_k_quant(blocks: np.ndarray, qtype: int) -> np.ndarray:
-    """Q4_K, Q5_K or Q6_K rows (superblocks of 256 weights) re-cut into blocks of 32 that the kernels' tiles take
-    as they take Q4_1 and Q8_0, each weight still gguf's own dequantized value, bit for bit:
-    - Q4_K, Q5_K (an fp16 scale and minimum, eight 6-bit sub-scales and sub-minimums): each block's own scale and
-      minimum in fp32 (d * sc and -dmin * m, exact there), then Q4_K's nibbles in Q4_1's order (byte j: weight j
-      low, j + 16 high) or Q5_K's 5-bit quants a byte each;
+def recut(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """Q5_0, Q5_1, Q4_K, Q5_K or Q6_K rows re-cut into blocks of 32 that the kernels' tiles take as they take Q4_1
+    and Q8_0, each weight still gguf's own dequantized value, bit for bit:
+    - Q5_0, Q5_1, Q4_K, Q5_K: each block's own scale and minimum in fp32 (d and -16 d, d and m, or the K-quants'
+      d * sc and -dmin * m: exact there), then Q4_K's nibbles in Q4_1's order (byte j: weight j low, j + 16 high)
+      or the 5-bit quants a byte each;
     - Q6_K (an fp16 d, an int8 scale per 16 weights): d, the block's two int8 scales, its 32 quants less 32.
-    Why re-cut rather than read the superblocks: the same tiles then serve every format, for 24, 40 or 36 bytes a
-    block of 32 (the file's 18, 22 and 26), against bf16's 64."""
+    Why re-cut rather than read them as stored: the same tiles then serve every format, for 40, 24 or 36 bytes a
+    block of 32 (the file's 22 to 26; 18 for Q4_K), against bf16's 64."""
     from gguf.quants import Q4_K
 
-    rows, size = blocks.shape[0], _SUPERBLOCK_BYTES[qtype]
+    rows, size = blocks.shape[0], _SOURCE_BLOCKS[qtype][1]
     superblocks = blocks.reshape(-1, size)
+    if qtype in (6, 7):  # blocks of 32: d (and Q5_1's m), the fifth bits, the nibbles
+        d = superblocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        minimum = superblocks[:, 2:4].copy().view(np.float16).astype(np.float32) if qtype == 7 else -16 * d
+        rest = superblocks[:, 2 if qtype == 6 else 4:]
+        high = (rest[:, :4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+        low = rest[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        q = (low & np.uint8(15)).reshape(-1, 32) | (high.astype(np.uint8) << np.uint8(4))
+        head = np.concatenate([d, minimum], axis=-1).astype(np.float32).view(np.uint8)
+        return np.ascontiguousarray(np.concatenate([head, q], axis=-1).reshape(rows, -1))
     if qtype == 14:
         ql = superblocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         qh = superblocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -137,7 +146,7 @@ def _linears(model) -> dict[str, torch.nn.Module]:
 
 def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
     """{parameter name: packed weight} for each decoder linear and the lm_head whose GGUF tensor is Q8_0, Q4_0,
-    Q4_1 (or, where the kernels take them, Q4_K, Q5_K or Q6_K) and whose rows match the model's own weights, laid out
+    Q4_1 (or, where the kernels take them, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) and whose rows match the model's own weights, laid out
     for `kernel` (cpu_kernel.CpuKernels); everything else keeps the model's weights."""
     from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
@@ -162,7 +171,7 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         if tensor is None or weight is None or weight.dim() != 2:
             continue
         qtype = int(tensor.tensor_type)
-        format = K_QUANTS.get(qtype, qtype)
+        format = RECUT.get(qtype, qtype)
         if format not in BLOCK_BYTES:
             continue
         blocks = np.asarray(tensor.data)
@@ -177,9 +186,10 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         if rows is None:
             continue
         blocks = np.ascontiguousarray(blocks[rows])
+        blocks = recut(blocks, qtype) if format != qtype else blocks
         try:
-            data = kernel.pack(recut_k_quant(blocks, qtype) if format != qtype else blocks, format, in_features)
-        except ValueError:  # a format these kernels do not take (K-quants off the 512-bit VNNI path): bf16
+            data = kernel.pack(blocks, format, in_features)
+        except ValueError:  # a format these kernels do not take (re-cut ones off the 512-bit VNNI path): bf16
             continue
         packed[module_name] = PackedWeight(data, format, out_features, in_features)
     return packed

@@ -150,12 +150,14 @@ static int vector_linear(const uint16_t *x, const uint16_t *w, const uint16_t *b
  * (Q4: byte j of a block holds weight j low and j + 16 high; Q8_0: one int8 each), then every block's fp16
  * scale d, then (Q4_1) every block's fp16 minimum m. Weight = d * q + m; Q4_0: d * (q - 8); Q8_0: d * q. */
 enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_BF16 = 30 };  /* ggml's type numbers */
-/* A K-quant's superblocks (quant.py: recut_k_quant) re-cut into blocks of 32, 100 + ggml's number of the type
- * they came from. Q4_K and Q5_K: the scale and minimum each block's weights really have (d * sc and -dmin * m:
+/* Blocks re-cut at load (quant.py: recut), 100 + ggml's number of the type they came from. Q4_K, Q5_K, Q5_0 and
+ * Q5_1: the scale and minimum each block of 32 weights really has (d * sc and -dmin * m, d and -16 d, d and m:
  * exact in fp32), then 16 bytes of nibbles in Q4_1's order or 32 bytes of 5-bit quants; they run as Q4_1 does.
  * Q6_K: its fp16 d, the two int8 scales of the block's halves, then 32 signed bytes q - 32. Only the tiled
  * (512-bit VNNI) path takes them. */
-enum { FMT_Q4_K_32 = 112, FMT_Q5_K_32 = 113, FMT_Q6_K_32 = 114 };
+enum { FMT_Q5_0_32 = 106, FMT_Q5_1_32 = 107, FMT_Q4_K_32 = 112, FMT_Q5_K_32 = 113, FMT_Q6_K_32 = 114 };
+/* The 5-bit formats share one layout: Q5_K's. */
+static inline int same_layout(int format) { return format == FMT_Q5_0_32 || format == FMT_Q5_1_32 ? FMT_Q5_K_32 : format; }
 static inline int from_k_quant(int format) { return format >= FMT_Q4_K_32 && format <= FMT_Q6_K_32; }
 static inline int k_block_bytes(int format) {
     return format == FMT_Q4_K_32 ? 24 : format == FMT_Q5_K_32 ? 40 : format == FMT_Q6_K_32 ? 36 : 0;
@@ -722,6 +724,7 @@ static inline int tiled_path(int K) { (void)K; return 0; }
 /* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks; x and y bf16, or fp32 with f32. */
 static int quantized_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                             int K, long x_stride, long y_stride, int threads, int f32) {
+    format = same_layout(format);
     if (M < 1 || M > 512 || K % 32 || N % 16 || K / 32 > MAX_BLOCKS) return -1;
     if (!block_bytes(format) && !(from_k_quant(format) && tiled_path(K))) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -735,6 +738,7 @@ static int quantized_linear(const void *x, const uint8_t *w, int format, const u
 
 /* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
 const char *pack_layout(int format, int K) {
+    format = same_layout(format);
     if (tiled_path(K)) return "tiles";
     if (from_k_quant(format)) return "none";
     return int8_path(format, K) ? "pairs" : "rows";
@@ -744,6 +748,7 @@ const char *pack_layout(int format, int K) {
  * row the quants (pairs of blocks interleaved for the int8 path, GGUF's order otherwise), then the fp16 scales,
  * then (Q4_1) the fp16 minimums. 0, or -1 for a format or shape it does not take. */
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
+    format = same_layout(format);
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
     if ((!bytes && !from_k_quant(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
