@@ -159,18 +159,23 @@ def test_ask_on_a_truncated_or_corrupt_gguf_is_one_clear_line(tmp_path, damage):
 
 
 def test_ask_shows_one_progress_display_ours_through_a_conversion_and_a_load(tmp_path):
-    """A fresh cache: the GGUF is converted, then loaded. transformers' own tqdm bars ("Loading weights",
-    "Writing model shards") would sit between our lines; only ours, and the stats line, may be there."""
-    result = ask(tmp_path, "Hi", "--max-tokens", "4", "--dtype", "float32", TUICHAT_CPU_KERNELS="0")
+    """A fresh cache: a GGUF (a tiny one: the embedded model's conversion takes half a minute) is converted,
+    then loaded. transformers' own tqdm bars ("Loading weights", "Writing model shards") would sit between our
+    lines; only ours, and the stats line, may be there."""
+    from tests.tiny_gguf import write_gguf
+
+    write_gguf(tmp_path / "tiny.gguf", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    result = ask(tmp_path, "Hi", "--model", str(tmp_path / "tiny.gguf"), "--max-tokens", "4", "--dtype", "float32",
+                 TUICHAT_CPU_KERNELS="0")
     stderr = result.stderr.decode()
     assert result.returncode == 0, stderr
     lines = stderr.splitlines()
     assert "\r" not in stderr and "it/s" not in stderr and "█" not in stderr, stderr
     assert all(line.startswith(("[tuichat] ", "tuichat: ")) for line in lines[:-1]), stderr
-    assert lines[-1].startswith("[smollm2-135m · cpu float32] TTFT"), stderr
+    assert lines[-1].startswith("[tiny.gguf · cpu float32] TTFT"), stderr
     stages = [line for line in lines if line.startswith("[tuichat] ")]
     assert any("Dequantizing" in line for line in stages) and any("Converted" in line for line in stages)
-    assert stages[-1] == "[tuichat] Loaded smollm2-135m"
+    assert stages[-1] == "[tuichat] Loaded tiny.gguf"
 
 
 def test_transformers_progress_switch_is_restored_after_a_load(tmp_path):
