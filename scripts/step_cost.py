@@ -1,13 +1,15 @@
 """What a decode step costs bare and as the product runs it, for batch 1 and 8.
 
-    python scripts/step_cost.py [--model smollm2-135m] [--dtype auto] [--quant auto] [--steps 60]
+    python scripts/step_cost.py [--model smollm2-135m] [--dtype auto] [--quant auto] [--steps 60] [--repeat 3]
 
 Three ways, each the median ITL over `--steps` decode steps:
 - bare: Engine.step() called in a loop on the main thread, which loaded the model (the engine's own cost);
 - thread: loaded on a thread that then ends, served by the engine thread, requests with plain callbacks;
 - product: LocalBackend.stream consumed by an asyncio loop on the main thread, as `tuichat ask` and the TUI
   run it (adds the event loop, the GIL between the two threads, the per-token events).
-Speculation is off in every way: a step is one token per sequence. Each way and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
+Speculation is off in every way: a step is one token per sequence. The grid runs --repeat times, interleaved,
+and each cell is the median over the repeats: a shared machine drifts by more than the gaps measured. Each way
+and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
 policy once, at start, and keeps a thread pool for every live thread that ran a parallel region.
 """
 
@@ -117,28 +119,33 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quant", default="auto")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--child", choices=["bare", "thread", "product"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.model, args.dtype, args.quant, args.steps)))
         return
-    rows = []
-    for policy in (None, "ACTIVE", "PASSIVE"):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        if policy:
-            env["OMP_WAIT_POLICY"] = policy
-        row = {}
-        for way in ("bare", "thread", "product"):  # each in a fresh process: no pool left from another way
-            result = subprocess.run([sys.executable, __file__, "--child", way, "--model", args.model, "--dtype",
-                                     args.dtype, "--quant", args.quant, "--steps", str(args.steps)], env=env,
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                sys.exit(result.stderr)
-            row.update(json.loads(result.stdout.strip().splitlines()[-1]))
-        rows.append((policy or "unset", row))
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):
+        for policy in (None, "ACTIVE", "PASSIVE"):
+            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+            if policy:
+                env["OMP_WAIT_POLICY"] = policy
+            row = {}
+            for way in ("bare", "thread", "product"):  # each in a fresh process: no pool left from another way
+                result = subprocess.run([sys.executable, __file__, "--child", way, "--model", args.model, "--dtype",
+                                         args.dtype, "--quant", args.quant, "--steps", str(args.steps)], env=env,
+                                        capture_output=True, text=True)
+                if result.returncode != 0:
+                    sys.exit(result.stderr)
+                row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+            runs.setdefault(policy or "unset", []).append(row)
+    rows = [(policy, {k: (statistics.median(r[k] for r in repeats) if isinstance(repeats[0][k], float) else repeats[0][k])
+                      for k in repeats[0]}) for policy, repeats in runs.items()]
     first = rows[0][1]
     columns = [k for k in first if k not in ("weights", "layers")]
-    print(f"{args.model} · {first['weights']} weights · layers {first['layers']} · median ms per decode step")
+    print(f"{args.model} · {first['weights']} weights · layers {first['layers']} · median ms per decode step "
+          f"(median of {args.repeat} runs)")
     print(f"{'OMP_WAIT_POLICY':<16}" + "".join(f"{k:>12}" for k in columns))
     for policy, row in rows:
         print(f"{policy:<16}" + "".join(f"{row[k]:>12.1f}" for k in columns))
