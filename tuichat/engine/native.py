@@ -137,32 +137,31 @@ class NativeDecoder:
         self.weights: list[PackedWeight] = []  # what each step reads, in decoder.c's order (and the lm_head)
         addresses = []
 
-        def linear(i: int, names: list[str], sizes: list[int], bf16) -> list[PackedWeight]:
+        def linear(i: int, names: list[str], sizes: list[int], width: int, bf16) -> list[PackedWeight]:
             """The linear as one weight (its parts' blocks joined, or the model's bf16), or, where its parts'
             blocks differ in format or some part has none, part by part: each part's blocks, else its rows of
-            the bf16 weight."""
+            the bf16 weight. Each checked for the shape decoder.c assumes."""
             parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
             joined = PackedWeight.cat(parts) if all(parts) else None
             if joined is not None or not any(parts):
-                return [joined or PackedWeight.of(bf16.weight)]
-            starts = [sum(sizes[:j]) for j in range(len(sizes))]
-            return [part or PackedWeight.of(bf16.weight[a:a + n]) for part, a, n in zip(parts, starts, sizes)]
+                weights, sizes = [joined or PackedWeight.of(bf16.weight)], [sum(sizes)]
+            else:
+                starts = [sum(sizes[:j]) for j in range(len(sizes))]
+                weights = [part or PackedWeight.of(bf16.weight[a:a + n]) for part, a, n in zip(parts, starts, sizes)]
+            for weight, rows in zip(weights, sizes):
+                _check_weight(weight, (rows, width), f"layer {i}")
+            return weights
 
         kv_rows = s.kv_heads * s.head_dim
         for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
             qkv_parts = linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                               [s.heads * s.head_dim, kv_rows, kv_rows], attn.fused_q_k_v)
-            gate_up_parts = linear(i, ["mlp.gate_proj", "mlp.up_proj"], [s.intermediate] * 2, mlp.fused_gate_up)
-            weights = [*qkv_parts, linear(i, ["self_attn.o_proj"], [s.hidden], attn.o_proj)[0], *gate_up_parts,
-                       linear(i, ["mlp.down_proj"], [s.hidden], mlp.down_proj)[0]]
-            shapes = ([(qkv, s.hidden)] if len(qkv_parts) == 1 else [(n, s.hidden) for n in (s.heads * s.head_dim, kv_rows, kv_rows)])
-            shapes += [(s.hidden, s.heads * s.head_dim)]
-            shapes += [(2 * s.intermediate, s.hidden)] if len(gate_up_parts) == 1 else [(s.intermediate, s.hidden)] * 2
-            shapes += [(s.hidden, s.intermediate)]
-            for weight, shape in zip(weights, shapes, strict=True):
-                _check_weight(weight, shape, f"layer {i}")
-            qkv_w, o_w, gate_up_w, down_w = qkv_parts[0], weights[len(qkv_parts)], gate_up_parts[0], weights[-1]
+                               [s.heads * s.head_dim, kv_rows, kv_rows], s.hidden, attn.fused_q_k_v)
+            [o_w] = linear(i, ["self_attn.o_proj"], [s.hidden], s.heads * s.head_dim, attn.o_proj)
+            gate_up_parts = linear(i, ["mlp.gate_proj", "mlp.up_proj"], [s.intermediate] * 2, s.hidden, mlp.fused_gate_up)
+            [down_w] = linear(i, ["mlp.down_proj"], [s.hidden], s.intermediate, mlp.down_proj)
+            weights = [*qkv_parts, o_w, *gate_up_parts, down_w]
+            qkv_w, gate_up_w = qkv_parts[0], gate_up_parts[0]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if packed:
                 norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]

@@ -34,7 +34,6 @@ PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes wh
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
 NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K"}
 RECUT = {6: 106, 7: 107, 12: 112, 13: 113, 14: 114}  # GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: their re-cut ids
-_SOURCE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}  # weights, bytes
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 # --quant for a dense checkpoint: (the blocks its decoder linears are quantized to, the lm_head's), groups of 32
@@ -98,10 +97,11 @@ def recut(blocks: np.ndarray, qtype: int) -> np.ndarray:
     - Q6_K (an fp16 d, an int8 scale per 16 weights): d, the block's two int8 scales, its 32 quants less 32.
     Why re-cut rather than read them as stored: the same tiles then serve every format, for 40, 24 or 36 bytes a
     block of 32 (the file's 22 to 26; 18 for Q4_K), against bf16's 64."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
 
-    rows, size = blocks.shape[0], _SOURCE_BLOCKS[qtype][1]
-    superblocks = blocks.reshape(-1, size)
+    rows = blocks.shape[0]
+    superblocks = blocks.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1])
     if qtype in (6, 7):  # blocks of 32: d (and Q5_1's m), the fifth bits, the nibbles
         d = superblocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         minimum = superblocks[:, 2:4].copy().view(np.float16).astype(np.float32) if qtype == 7 else -16 * d
