@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from tuichat import bench
-from tuichat.backend import BackendError, Message
+from tuichat.backend import CHAT_SAMPLING, BackendError, Message
 from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
 from tuichat.local import chat_ids
@@ -32,7 +32,7 @@ FAST_PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch")
 REQUIRED = [
     "model", "device", "dtype", "floor.tuichat.decode_step_ms", "floor.transformers.decode_step_ms",
     "scenarios.single.tuichat.ttft_ms", "scenarios.single.tuichat.decode_tokens_per_s",
-    "scenarios.single.bare_forward_ms",
+    "scenarios.single.bare_forward_ms", "scenarios.single.tuichat_sampled.decode_tokens_per_s",
     "scenarios.tabs.tuichat.tokens_per_s", "scenarios.tabs.tuichat.ttft_ms_p50", "scenarios.tabs.tuichat.ttft_ms_p90",
     "scenarios.tabs.tuichat.itl_ms_p50", "scenarios.tabs.tuichat.itl_ms_p90",
     "scenarios.tabs.modes.continuous.tokens_per_s", "scenarios.tabs.modes.static.tokens_per_s",
@@ -106,6 +106,9 @@ def test_json_has_every_required_key_with_sane_types(run):
         else:
             assert positive(value), f"{path} = {value!r}"
     json.dumps(result, allow_nan=False)  # one plain JSON object, no NaN
+    # The sampled row runs a chat's default: the embedded model recommends none, so tuichat's own.
+    sampling = result["scenarios"]["single"]["tuichat_sampled"]["sampling"]
+    assert {k: v for k, v in sampling.items() if v} == dict(CHAT_SAMPLING)
 
 
 def test_per_turn_lists_have_one_entry_per_turn_and_the_cache_serves_turn_two(run):

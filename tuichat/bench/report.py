@@ -118,17 +118,24 @@ def _header(result: dict[str, Any]) -> list[RenderableType]:
 def _single(s: dict[str, Any]) -> list[RenderableType]:
     t = s["tuichat"]
     headers = ["", "TTFT ms", "ITL p50", "ITL p90", "decode tok/s", "TTFT ÷", "tok/s ÷"]
-    rows = [["tuichat", _fmt(t["ttft_ms"]), _fmt(t["itl_ms_p50"]), _fmt(t["itl_ms_p90"]), _fmt(t["decode_tokens_per_s"]), "", ""],
-            ["bare forward (transformers)", _fmt(s["bare_forward_ms"]), "", "", "", _x(s["ttft_over_bare_forward"]), ""]]
+    rows = [["tuichat", _fmt(t["ttft_ms"]), _fmt(t["itl_ms_p50"]), _fmt(t["itl_ms_p90"]), _fmt(t["decode_tokens_per_s"]), "", ""]]
+    if (c := s.get("tuichat_sampled")) is not None:
+        rows.append(["tuichat, a chat's sampling", _fmt(c["ttft_ms"]), _fmt(c["itl_ms_p50"]), _fmt(c["itl_ms_p90"]),
+                     _fmt(c["decode_tokens_per_s"]), "", ""])
+    rows.append(["bare forward (transformers)", _fmt(s["bare_forward_ms"]), "", "", "", _x(s["ttft_over_bare_forward"]), ""])
     for name, p in s["peers"].items():
         if "skipped" in p:
             rows.append(_skipped(name, len(headers)))
         else:
             rows.append([name, _fmt(p["ttft_ms"]), _fmt(p["itl_ms_p50"]), _fmt(p["itl_ms_p90"]), _fmt(p["decode_tokens_per_s"]),
                          _x(ratio(t["ttft_ms"], p["ttft_ms"])), _x(ratio(t["decode_tokens_per_s"], p["decode_tokens_per_s"]))])
-    return [Text(f"single · one conversation, {s['prompts']} prompts of ~{median(s['prompt_tokens']) or 0:.0f} tokens, "
-                 f"≤{s['max_tokens']} tokens, medians (prefix cache and speculation off)", style="bold"),
-            _table(headers, rows)]
+    lines = [Text(f"single · one conversation, {s['prompts']} prompts of ~{median(s['prompt_tokens']) or 0:.0f} tokens, "
+                  f"≤{s['max_tokens']} tokens, medians (prefix cache and speculation off; greedy but one row)", style="bold"),
+             _table(headers, rows)]
+    if (c := s.get("tuichat_sampled")) is not None:
+        chosen = ", ".join(f"{k} {v:g}" for k, v in c["sampling"].items() if v)
+        lines.append(Text(f"  a chat's sampling: {chosen}, seed 0"))
+    return lines
 
 
 def _tabs(s: dict[str, Any]) -> list[RenderableType]:

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 from collections.abc import Callable, Sequence
 
 from tuichat import catalog
-from tuichat.backend import BackendError, Message, SamplingParams
+from tuichat.backend import BackendError, Message, SamplingParams, chat_sampling
 from tuichat.bench.corpus import (
     FIRST_TURN, FOLLOW_UPS, LONG_REPLY_PROMPTS, PROBE_QUESTION, QUESTIONS, SHARED_PREFIX_QUESTIONS, SINGLE_QUESTIONS,
     SYSTEM_PROMPT, WARMUP_QUESTION, GROUNDED_PROMPTS, OPEN_PROMPTS,
@@ -159,14 +159,17 @@ class _Run:
         conversations = [[Message("user", q)] for q in questions]
         params = SamplingParams(max_tokens=s.single_tokens)
         prompts = [self.ids(m) for m in conversations]
-        ours, bare, hf = [], [], []
+        ours, sampled, bare, hf = [], [], [], []
         # Interleaved per prompt (tuichat, bare forward, generate), so a noisy neighbour hits all three alike.
         # Speculation off: TPOT stays one step's cost (the floor's target), and llama.cpp runs without its own;
-        # the speculative scenario measures what it adds.
+        # the speculative scenario measures what it adds. Every comparison is greedy; the same prompts with the
+        # sampling a chat gets by default are timed too: what a user sees, and where a slow sampler would show.
         with self.step("single · tuichat, bare forward, hf_generate"), \
                 self.tuichat(batching="continuous", prefix_cache=False, speculate="off") as tc:
+            chat = chat_sampling(tc.backend.sampling_defaults(tc.name), {"max_tokens": s.single_tokens, "seed": 0})
             for i, (messages, prompt) in enumerate(zip(conversations, prompts)):
                 ours.append(tc.run(stream_once, f"single-{i}", messages, params))
+                sampled.append(tc.run(stream_once, f"single-sampled-{i}", messages, chat))
                 bare.append(on_own_thread(self.peer.bare_forward_ms, prompt))
                 if self.wants("hf_generate"):
                     hf.append(on_own_thread(self.peer.generate, prompt, s.single_tokens))
@@ -177,6 +180,9 @@ class _Run:
             "prefix_cache": False,
             "speculate": "off",
             "tuichat": self._single_summary(ours),
+            "tuichat_sampled": {**self._single_summary(sampled),
+                                "sampling": {k: getattr(chat, k) for k in ("temperature", "top_p", "top_k",
+                                                                            "frequency_penalty", "presence_penalty")}},
             "bare_forward_ms": median(bare),
             "bare_forward_ms_each": bare,
             "peers": {},
