@@ -282,8 +282,8 @@ enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W
 int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
                long x_stride, long y_stride, int threads, int f32);
 
-/* A linear whose output rows (of width `out`) are `parts` pieces side by side: the weights at `weights[2 * i]`
- * in format `weights[2 * i + 1]`, each sizes[i] outputs wide. */
+/* A linear whose output rows (of width `out`) are `parts` pieces side by side (one for a fused linear): the
+ * weights at `weights[2 * i]` in format `weights[2 * i + 1]`, each sizes[i] outputs wide. */
 static int linear_parts(const void *x, const uint64_t *weights, const int *sizes, int parts, const uint16_t *bias,
                         void *y, int rows, int out, int width, int threads, int f32) {
     int status = 0;
@@ -336,12 +336,10 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
         uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
         if (f32) rms_norm_f32(hidden, (const float *)p[ATTN_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
-        if (p[K_W]) {
-            const uint64_t parts[] = {p[QKV_W], p[QKV_FMT], p[K_W], p[K_FMT], p[V_W], p[V_FMT]};
-            const int sizes[] = {heads * dim, kv_heads * dim, kv_heads * dim};
-            status |= linear_parts(normed, parts, sizes, 3, (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, threads, f32);
-        } else
-            status |= any_linear(normed, (const void *)p[QKV_W], (int)p[QKV_FMT], (const uint16_t *)p[QKV_B], qkv, rows, qkv_width, width, width, qkv_width, threads, f32);
+        const uint64_t qkv_parts[] = {p[QKV_W], p[QKV_FMT], p[K_W], p[K_FMT], p[V_W], p[V_FMT]};
+        const int qkv_sizes[] = {p[K_W] ? heads * dim : qkv_width, kv_heads * dim, kv_heads * dim};
+        status |= linear_parts(normed, qkv_parts, qkv_sizes, p[K_W] ? 3 : 1, (const uint16_t *)p[QKV_B], qkv, rows,
+                               qkv_width, width, threads, f32);
         for (int t = 0; t < rows; t++) {
             const int32_t *table = tables + table_off[t];
             long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
@@ -383,12 +381,10 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
         else add_into(hidden, tmp, (long)rows * width);
         if (f32) rms_norm_f32(hidden, (const float *)p[MLP_NORM], normed, rows, width, eps);
         else rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
-        if (p[UP_W]) {
-            const uint64_t parts[] = {p[GATE_UP_W], p[GATE_UP_FMT], p[UP_W], p[UP_FMT]};
-            const int sizes[] = {inter, inter};
-            status |= linear_parts(normed, parts, sizes, 2, (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, threads, f32);
-        } else
-            status |= any_linear(normed, (const void *)p[GATE_UP_W], (int)p[GATE_UP_FMT], (const uint16_t *)p[GATE_UP_B], gate_up, rows, 2 * inter, width, width, 2 * inter, threads, f32);
+        const uint64_t gate_up_parts[] = {p[GATE_UP_W], p[GATE_UP_FMT], p[UP_W], p[UP_FMT]};
+        const int gate_up_sizes[] = {p[UP_W] ? inter : 2 * inter, inter};
+        status |= linear_parts(normed, gate_up_parts, gate_up_sizes, p[UP_W] ? 2 : 1, (const uint16_t *)p[GATE_UP_B],
+                               gate_up, rows, 2 * inter, width, threads, f32);
         if (f32) silu_mul_f32(gate_up, act, rows, inter, threads);
         else silu_mul(gate_up, act, rows, inter, threads);
         status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads, f32);

@@ -119,7 +119,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], noises: list[Nois
     """logits: [N, vocab] float32; positions: where each row's token goes in its sequence; replies: each row's
     generated ids before it (for the penalties). Returns one token id per row."""
     replies = replies or [None] * len(params)
-    plain = [p.temperature <= 0 and not _has_penalty(p, r) for p, r in zip(params, replies)]
+    penalized = [_has_penalty(p, r) for p, r in zip(params, replies)]
+    plain = [p.temperature <= 0 and not pen for p, pen in zip(params, penalized)]
     if logits.device.type == "cpu":
         rows = logits.float().numpy()
         chosen = [int(rows[i].argmax()) if plain[i] else 0 for i in range(len(params))]
@@ -130,6 +131,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], noises: list[Nois
     for i, (p, noise, reply) in enumerate(zip(params, noises, replies)):
         if plain[i]:
             continue
-        row = penalize(rows[i], p, reply) if _has_penalty(p, reply) else rows[i]
+        row = penalize(rows[i], p, reply) if penalized[i] else rows[i]
         chosen[i] = int(row.argmax()) if p.temperature <= 0 else _draw(row, p, noise.uniform(positions[i]))
     return chosen
