@@ -266,6 +266,7 @@ def test_what_decoder_c_reads_is_checked_in_python_first(kernels, monkeypatch):
         return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
 
     monkeypatch.setattr(type(rotary), "forward", narrow)
+    monkeypatch.setattr(engine.runner.native, "rotary", native.RotaryTable(rotary, torch.bfloat16))  # not the cached one
     with pytest.raises(ValueError, match=r"rotary cos as a contiguous bf16 CPU tensor of shape \(3, 32\), got \(3, 16\)"):
         engine.runner.native.execute(plan)
     monkeypatch.setattr(type(rotary), "forward", original)
@@ -277,3 +278,25 @@ def test_what_decoder_c_reads_is_checked_in_python_first(kernels, monkeypatch):
     monkeypatch.setattr(type(rotary), "forward", narrow)
     assert native._rotary_width(make("llama")[0]) == 16
     assert native.unsupported_reason(make("llama")[0], kernels, engine.attention) == "rotary embedding over 16 of 32 head dims"
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}])
+def test_rotary_table_gives_transformers_own_cos_sin_at_every_position(rope):
+    """The table decoder.c's steps read: exactly what the model's rotary module computes for those positions,
+    in both dtypes and past the table's first growth; a variant that rescales with the positions seen
+    (dynamic) is never tabled."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = {**SHAPE, "max_position_embeddings": 4096}
+    if rope:
+        overrides["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **overrides))
+    rotary = model.model.rotary_emb
+    for dtype in (torch.float32, torch.bfloat16):
+        table = native.RotaryTable(rotary, dtype)
+        assert table.static == (rope is None or rope["rope_type"] != "dynamic")
+        for positions in ([0], [5, 6, 7], list(range(1000, 1030)), [native.RotaryTable.GROW * 2 + 3], [17]):
+            ids = torch.tensor(positions)
+            want = [t[0] for t in rotary(torch.empty(0, dtype=dtype), ids[None])]
+            got = table(ids)
+            assert all(torch.equal(g, w) and g.is_contiguous() for g, w in zip(got, want)), (dtype, positions)

@@ -53,6 +53,11 @@ static void rms_norm_f32(const float *x, const float *weight, float *out, int ro
     }
 }
 
+/* The final norm of the rows that sample (rows[i] of x, each `width` wide), fp32 as above. */
+void final_norm_f32(const float *x, const int32_t *rows, int n, int width, const float *weight, float eps, float *out) {
+    for (int i = 0; i < n; i++) rms_norm_f32(x + (long)rows[i] * width, weight, out + (long)i * width, 1, width, eps);
+}
+
 static void add_into_f32(float *x, const float *y, long n) {
     for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_f32(y + i));
 }

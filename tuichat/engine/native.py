@@ -2,8 +2,9 @@
 through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops. With weights packed in a
 GGUF's blocks, every step runs there, its activations in fp32 and its KV cache in f16, as llama.cpp's.
 
-transformers still does what is one op per step anyway: the embedding lookup, the rotary cos/sin (so every
-RoPE variant it knows keeps working) and the final norm; the lm_head goes through our linear. Longer steps,
+transformers still computes the rotary cos/sin (so every RoPE variant it knows keeps working), kept per position
+where its variant depends on nothing else; the embedding lookup and, in bf16, the final norm stay torch ops; the
+lm_head goes through our linear. Longer steps,
 other architectures, other dtypes and devices keep the transformers path of runner.py; both read and write
 the same paged cache.
 """
@@ -86,6 +87,34 @@ def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> No
                          f"{tuple(weight.data.shape)} {weight.data.dtype}")
 
 
+# RoPE variants whose cos/sin at a position depend on that position alone ("dynamic" and "longrope" rescale with
+# the longest position seen): their values can be computed once and looked up.
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class RotaryTable:
+    """cos/sin rows by position, computed by transformers' own rotary module and grown as positions arrive: a
+    decode step's cos/sin through the module cost ~0.1 ms (a few torch ops on caches the weights just
+    evicted); a lookup costs one gather. Variants outside _STATIC_ROPE go through the module every step."""
+
+    GROW = 1024  # positions
+
+    def __init__(self, rotary, dtype: torch.dtype) -> None:
+        self.rotary, self.dtype = rotary, dtype
+        self.static = getattr(rotary, "rope_type", None) in _STATIC_ROPE
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, dtype=self.dtype)
+        if not self.static:
+            return tuple(t[0].contiguous() for t in self.rotary(probe, positions[None]))
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            every = torch.arange(-(-needed // self.GROW) * self.GROW)
+            self.cos, self.sin = (t[0].contiguous() for t in self.rotary(probe, every[None]))
+        return self.cos[positions], self.sin[positions]
+
+
 def _rotary_width(model) -> int:
     """How many dims transformers' rotary tables cover (a partial rotary factor makes it less than head_dim)."""
     probe = torch.zeros(1, 1, dtype=model.dtype)
@@ -116,6 +145,7 @@ class NativeDecoder:
 
         self.embedding = exact.get("model.embed_tokens.weight")  # else rows of the model's, widened
         self.final_norm = fp32("model.norm.weight", model.model.norm.weight) if packed else None
+        self.rotary = RotaryTable(model.model.rotary_emb, torch.float32 if packed else torch.bfloat16)
         self.final_eps = model.model.norm.variance_epsilon
         self._norms: list[torch.Tensor] = []  # the fp32 norm weights decoder.c reads by address
         layers = model.model.layers
@@ -128,6 +158,9 @@ class NativeDecoder:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
             ctypes.c_float, ctypes.c_float, ctypes.c_int]
+        self._final_norm = kernel.library.final_norm_f32
+        self._final_norm.restype = None
+        self._final_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
         self.num_blocks = kv.k[0].shape[0] // block_size
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
                or l.self_attn.scaling != self.scale for l in layers):
@@ -221,7 +254,7 @@ class NativeDecoder:
         if self.every_step:
             hidden = hidden.float()
         position_ids = torch.tensor(positions)
-        cos, sin = (t[0].contiguous() for t in model.rotary_emb(hidden, position_ids[None]))  # in hidden's dtype
+        cos, sin = self.rotary(position_ids)  # in hidden's dtype
         position_ids = position_ids.int()
         table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
         tables_t = torch.tensor(tables, dtype=torch.int32)
@@ -245,9 +278,11 @@ class NativeDecoder:
                 raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
         if not sample_rows:
             return None
-        last = hidden[sample_rows]
         if self.final_norm is None:
-            last = model.norm(last)
-        else:  # transformers' RMSNorm, over fp32 weights
-            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.final_eps) * self.final_norm
+            last = model.norm(hidden[sample_rows])
+        else:  # RMSNorm over fp32 weights, in C: five torch ops here cost ~0.15 ms a decode step
+            rows = torch.tensor(sample_rows, dtype=torch.int32)
+            last = torch.empty(len(sample_rows), shape.hidden)
+            self._final_norm(hidden.data_ptr(), rows.data_ptr(), len(sample_rows), shape.hidden,
+                             self.final_norm.data_ptr(), self.final_eps, last.data_ptr())
         return self.lm_head(last).float()

@@ -499,6 +499,7 @@ static inline int int8_path(int format, int K) { (void)format; (void)K; return 0
  * asking for the bytes this far ahead keeps enough loads in flight, where the hardware prefetcher, restarted
  * at every short range a dynamic schedule handed out, did not. */
 #define PREFETCH_BYTES 4096
+#define OWN_COPY_ROWS 8  /* up to this many input rows, each thread quantizes them all (see tiled_linear) */
 static inline int tiled_path(int K) { return K % 32 == 0; }
 
 static inline int tiled_block_bytes(int format) {
@@ -651,22 +652,32 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
                         int K, long x_stride, long y_stride, int threads, int f32) {
     const int blocks = K / 32;
     const long tile_bytes = (long)blocks * tiled_block_bytes(format);
-    size_t need = (size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks;
+    /* A few rows: every thread quantizes all of them into a copy of its own (the same bytes: one code path),
+     * which costs less than the barrier that sharing the work needs before any tile can start. */
+    const int own_copy = M <= OWN_COPY_ROWS;
+    const size_t copy = ((size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks + 63) / 64 * 64;
+    const size_t need = copy * (own_copy ? threads : 1);
     if (need > scratch.size) {
         free(scratch.memory);
         scratch.memory = malloc(need);
         scratch.size = scratch.memory ? need : 0;
         if (!scratch.memory) return -2;
     }
-    float *dx = scratch.memory, *sx = dx + (size_t)M * blocks;
-    int8_t *q = (int8_t *)(sx + (size_t)M * blocks);
     const int full = M / TILED_MR * TILED_MR;
+    char *memory = scratch.memory;  /* the calling thread's: each worker has a scratch of its own */
     #pragma omp parallel num_threads(threads)
     {
-    int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
-    quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
-    #pragma omp barrier
-    #pragma omp for schedule(static)
+    float *dx = (float *)(memory + (own_copy ? copy * omp_get_thread_num() : 0));
+    float *sx = dx + (size_t)M * blocks;
+    int8_t *q = (int8_t *)(sx + (size_t)M * blocks);
+    if (own_copy) {
+        quantize_rows(x, f32, 0, M, K, x_stride, q, dx, sx);
+    } else {
+        int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
+        quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
+        #pragma omp barrier
+    }
+    #pragma omp for schedule(static) nowait
     for (int t = 0; t < N / TILED_ROWS; t++) {
         const uint8_t *tile = w + t * tile_bytes;
         const int n0 = t * TILED_ROWS;
