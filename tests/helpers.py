@@ -142,31 +142,35 @@ def greedy(engine, prompts: list[list[int]], tokens: int = 10) -> list[list[int]
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
 
 
-def float32_continuations(reference, tokens: int = 12):
-    """(each of PROMPTS with the float32 model's greedy continuation, float32's logits along them), by a loop
+def float32_continuations(reference, tokens: int = 12, prompts=PROMPTS):
+    """(each of `prompts` with the float32 model's greedy continuation, float32's logits along them), by a loop
     of full forwards (quicker than generate here)."""
     import torch
 
     sequences = []
     with torch.inference_mode():
-        for sequence in map(list, PROMPTS):
+        for sequence in map(list, prompts):
             for _ in range(tokens):
                 sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
             sequences.append(sequence)
-        want = torch.cat([reference(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, PROMPTS)])
+        want = torch.cat([reference(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, prompts)])
     return sequences, want
 
 
-def teacher_forced_error(served, sequences, want):
+# Past decoder.c's attention split (every 256 positions): a row attends in parts merged afterwards.
+LONG_PROMPTS = [[(11 * i) % 300 + 7 for i in range(600)], [(13 * i + 5) % 290 + 9 for i in range(250)]]
+
+
+def teacher_forced_error(served, sequences, want, prompts=PROMPTS):
     """(per row, the engine's largest logit error as a share of float32's logit range; the share of rows whose
-    argmax is float32's), the engine fed `sequences` as float32 wrote them: each prompt in one chunk, then one
-    decode step per token."""
+    argmax is float32's), the engine fed `sequences` as float32 wrote them: each prompt (its first of
+    `prompts`' lengths) in one chunk, then one decode step per token."""
     import torch
 
     from tuichat.engine.runner import StepChunk
 
     rows = []
-    for sequence, prompt in zip(sequences, PROMPTS):
+    for sequence, prompt in zip(sequences, prompts):
         start, table = len(prompt), list(range(served.blocks.blocks_for(len(sequence))))
         rows.append(served.runner.execute([StepChunk(sequence[:start], 0, table, True)]))
         rows += [served.runner.execute([StepChunk([sequence[i]], i, table, True)]) for i in range(start, len(sequence) - 1)]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
+from tests.helpers import (LONG_PROMPTS, PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
                       teacher_forced_error)
 from tests.tiny_gguf import (
     FORMATS, FORMATS_K, HEADS, HF_NAMES, HIDDEN, HIDDEN_K, INTER, INTER_K, KV_HEADS, LAYERS, OUTPUT_FORMAT,
@@ -148,6 +148,18 @@ def test_as_close_to_float32_over_the_files_weights_as_its_arithmetic_allows(ker
         assert errors.max() < 0.03 and errors.mean() < 0.015, (quant_mode, errors.max(), errors.mean())
         # A flip needs a near-tie: here one of 36 rows, where the top two are within the error of each other.
         assert agreement >= 0.9, quant_mode
+
+
+def test_long_rows_are_as_close_to_float32_as_short_ones(kernels, tiny):
+    """Rows past 256 positions, whose attention runs in parts merged afterwards (decoder.c: SPLIT), decode
+    across the 512 mark within the short rows' bounds, and so does a row that grows past 256 from a 250-token
+    prompt."""
+    sequences, want = float32_continuations(tiny.reference, tokens=10, prompts=LONG_PROMPTS)
+    served = engine(tiny, prefix_cache=False)
+    errors, agreement = teacher_forced_error(served, sequences, want, prompts=LONG_PROMPTS)
+    served.close()
+    assert errors.max() < 0.03 and errors.mean() < 0.015, (errors.max(), errors.mean())
+    assert agreement >= 0.9
 
 
 def llama_cpp_arithmetic(reference: torch.nn.Module, kernels) -> torch.nn.Module:

@@ -300,3 +300,30 @@ def test_rotary_table_gives_transformers_own_cos_sin_at_every_position(rope):
             want = [t[0] for t in rotary(torch.empty(0, dtype=dtype), ids[None])]
             got = table(ids)
             assert all(torch.equal(g, w) and g.is_contiguous() for g, w in zip(got, want)), (dtype, positions)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-d32-g8"])
+def test_long_rows_attend_in_parts_as_close_to_float32_as_transformers_bf16(kernels, arch):
+    """Past 256 positions a row's attention runs in parts, merged afterwards (decoder.c: SPLIT): teacher-forced
+    across the 512 mark, and from a 250-token prompt past 256, the C layers stay as close to float32 as
+    transformers' bf16 layers over the same steps."""
+    from tests.helpers import LONG_PROMPTS
+
+    model, reference = make(arch)
+    sequences = [p + [(3 * i + 1) % 300 for i in range(10)] for p in LONG_PROMPTS]
+    with torch.inference_mode():
+        want = torch.cat([reference(torch.tensor([s])).logits[0, len(p) - 1:-1] for s, p in zip(sequences, LONG_PROMPTS)])
+    engine = Engine(model, config=EngineConfig(num_blocks=96, prefix_cache=False))
+    errors = {}
+    for path in ("C", "transformers"):
+        engine.runner.native = engine.runner.native if path == "C" else None
+        rows = []
+        for sequence, prompt in zip(sequences, LONG_PROMPTS):
+            table = list(range(engine.blocks.blocks_for(len(sequence))))
+            rows.append(engine.runner.execute([StepChunk(sequence[:len(prompt)], 0, table, True)]))
+            rows += [engine.runner.execute([StepChunk([sequence[i]], i, table, True)])
+                     for i in range(len(prompt), len(sequence) - 1)]
+        errors[path] = (torch.cat(rows) - want).abs().mean()
+    engine.close()
+    assert errors["transformers"] < 0.1 * want.std()
+    assert errors["C"] <= 1.5 * errors["transformers"], errors

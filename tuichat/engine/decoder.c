@@ -94,21 +94,22 @@ static void rotate(uint16_t *head, const uint16_t *cos, const uint16_t *sin, int
     }
 }
 
-/* s[0..n) <- exp(s - max s), in place, for n rounded up to LANES (the caller pads); returns 1 / the sum of
- * the first n (the caller scales once, at the end). */
-static float softmax_numerators(float *s, int n) {
+/* s[0..n) <- exp(s - max s), in place, for n rounded up to LANES (the caller pads); returns the sum of the
+ * first n (the caller scales once, at the end) and their max in *top_out. */
+static float softmax_numerators(float *s, int n, float *top_out) {
     int padded = (n + LANES - 1) / LANES * LANES;
     for (int j = n; j < padded; j++) s[j] = -INFINITY;
     vf top = splat(-INFINITY);
     for (int j = 0; j < padded; j += LANES) { vf v = load_f32(s + j); top = pick(v > top, v, top); }
-    vf shift = splat(hmax(top)), total = {};
+    *top_out = hmax(top);
+    vf shift = splat(*top_out), total = {};
     for (int j = 0; j < padded; j += LANES) {
         vf p = vexp(load_f32(s + j) - shift);
         p = pick(load_f32(s + j) == -INFINITY, splat(0.0f), p);
         store_f32(s + j, p);
         total += p;
     }
-    return 1.0f / hsum(total);
+    return hsum(total);
 }
 
 /* The cache slot of position j of a sequence. */
@@ -124,31 +125,40 @@ static inline long slot_at(const int32_t *table, int block_size, int j) {
 #define AHEAD 64  /* positions */
 
 /* Called as scoring reaches position j0 (a multiple of 32): the K and V of the 32 positions AHEAD further
- * on (and, at the start, of the first AHEAD as well), values to L2 for the weighted sum that follows. */
+ * on (and, at the first position lo, of the first AHEAD as well), values to L2 for the weighted sum that
+ * follows. */
 static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head, const int32_t *table,
-                                  int block_size, int n, long stride, int dim, int j0) {
-    for (int ahead = j0 == 0 ? 0 : j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
+                                  int block_size, int lo, int n, long stride, int dim, int j0) {
+    for (int ahead = j0 == lo ? lo : j0 + AHEAD; ahead < n && ahead < j0 + AHEAD + 32; ahead += 16) {
         long first = slot_at(table, block_size, ahead);
         PREFETCH_BLOCK(k_head, first, stride, dim, 3)
         PREFETCH_BLOCK(v_head, first, stride, dim, 2)
     }
 }
 
+/* Attention of a long row is split at fixed positions, every SPLIT, into tasks the threads share (a decode's
+ * few KV heads alone would leave a thread idle), whose partial softmaxes are then merged in order. A fixed
+ * split, not one by thread or batch: a row's result depends on its positions alone. A multiple of 32. */
+#define SPLIT 256
+
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
- * row's first n positions, rounded once to bf16 (with f32: q and the result fp32, the cache f16, see above). With AMX the scores come from tiles: 16 keys of one cache
+ * row's positions lo..n (lo a multiple of SPLIT), rounded once to bf16 (with f32: q and the result fp32, the
+ * cache f16, see above). Where those are all the row's positions (lo 0 and n <= SPLIT), that is the result;
+ * else `partial` takes each head's max score, sum of numerators and unscaled weighted sum (dim + 2 floats a
+ * head), for merge_partials. With AMX the scores come from tiles: 16 keys of one cache
  * block are one A tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B
  * tile; two blocks go at once, so one block's multiply hides the other's latency (needs attention_tiles()).
  * Without AMX, one vector dot product per key and head. Softmax and the weighted sum of values run in fp32.
  * Every row, decode or prefill, alone or in a batch, takes this same path: that is what keeps a reply
- * independent of batching and chunking. work: 2 * group * (n rounded up to 32) floats. Always inlined into
+ * independent of batching and chunking. work: 2 * group * SPLIT floats. Always inlined into
  * attend(), which fixes group and dim so that the accumulators live in registers; each of those 16 shapes
  * costs compile time (~6 s for the first build), which is paid once per machine. */
 static inline __attribute__((always_inline)) void attend_shape(
-        const void *q_in, void *out, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-        int block_size, int n, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
-        const int f32) {
+        const void *q_in, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
+        const int32_t *table, int block_size, int lo, int n, int kv_heads, int kv_head, const int group, const int dim,
+        float scale, float *work, const int f32) {
     const int chunks = dim / LANES;
-    int padded = (n + 31) / 32 * 32;
+    int padded = (n - lo + 31) / 32 * 32;
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
     const uint16_t *k_head = k_cache + (long)kv_head * dim, *v_head = v_cache + (long)kv_head * dim;
     const uint16_t *q = q_in;
@@ -161,8 +171,8 @@ static inline __attribute__((always_inline)) void attend_shape(
         for (int i = 0; i < 16; i++)
             for (int h = 0; h < group; h++) memcpy(&pairs[c][i][h], q + (long)h * dim + 32 * c + 2 * i, 4);
     float *by_key = work + (long)group * padded;  /* [position][head], as the tiles store them */
-    for (int j0 = 0; j0 < n; j0 += 32) {
-        prefetch_ahead(k_head, v_head, table, block_size, n, stride, dim, j0);
+    for (int j0 = lo; j0 < n; j0 += 32) {
+        prefetch_ahead(k_head, v_head, table, block_size, lo, n, stride, dim, j0);
         const uint16_t *keys0 = k_head + slot_at(table, block_size, j0) * stride;
         const uint16_t *keys1 = j0 + 16 < n ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
         _tile_zero(0);
@@ -174,12 +184,12 @@ static inline __attribute__((always_inline)) void attend_shape(
             _tile_dpbf16ps(0, 1, 2);
             _tile_dpbf16ps(3, 4, 2);
         }
-        _tile_stored(0, by_key + (long)j0 * group, group * 4);
-        _tile_stored(3, by_key + (long)(j0 + 16) * group, group * 4);
+        _tile_stored(0, by_key + (long)(j0 - lo) * group, group * 4);
+        _tile_stored(3, by_key + (long)(j0 - lo + 16) * group, group * 4);
     }
     const __m512i by_head = column_offsets(group);
     for (int h = 0; h < group; h++)
-        for (int j0 = 0; j0 < n; j0 += 16)
+        for (int j0 = 0; j0 < n - lo; j0 += 16)
             _mm512_storeu_ps(work + (long)h * padded + j0,
                              _mm512_mul_ps(_mm512_i32gather_ps(by_head, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
     } else
@@ -189,63 +199,89 @@ static inline __attribute__((always_inline)) void attend_shape(
     for (int h = 0; h < group; h++)
         for (int c = 0; c < chunks; c++)
             qv[h][c] = f32 ? load_f32(q_f32 + (long)h * dim + LANES * c) : load_bf16(q + (long)h * dim + LANES * c);
-    for (int j0 = 0; j0 < n; j0 += 16) {
-        if (j0 % 32 == 0) prefetch_ahead(k_head, v_head, table, block_size, n, stride, dim, j0);
+    for (int j0 = lo; j0 < n; j0 += 16) {  /* no software prefetch: measured slower here than the hardware's */
         const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
         const int count = n - j0 < 16 ? n - j0 : 16;  /* past n: a score of 0 that the softmax then masks */
-        for (int h = 0; h < group; h++)
-            for (int first = 0; first < 16; first += LANES) {
-                /* LANES positions' dot products, their lane sums taken at once (sum_each: ~3 operations a sum
-                 * where a horizontal sum per position took ~10; the keys are reread per head, from L1) */
-                vf dots[LANES];
-                for (int j = 0; j < LANES; j++) {
-                    const uint16_t *key = keys + (long)(first + j) * stride;
-                    vf dot = splat(0.0f);
-                    if (first + j < count)
-                        for (int c = 0; c < chunks; c++) dot += qv[h][c] * LOAD_KV(key + LANES * c);
-                    dots[j] = dot;
-                }
-                store_f32(work + (long)h * padded + j0 + first, sum_each(dots) * scale);
+        /* Each key widened once for all the group's heads; a block's dot products then have their lane sums
+         * taken LANES at once (sum_each: ~3 operations a sum where a horizontal sum per position took ~10). */
+        vf dots[8][16];
+        for (int j = 0; j < 16; j++) {
+            vf key[128 / LANES];
+            for (int c = 0; c < chunks; c++) key[c] = j < count ? LOAD_KV(keys + (long)j * stride + LANES * c) : splat(0.0f);
+            for (int h = 0; h < group; h++) {
+                vf dot = splat(0.0f);
+                for (int c = 0; c < chunks; c++) dot += qv[h][c] * key[c];
+                dots[h][j] = dot;
             }
+        }
+        for (int h = 0; h < group; h++)
+            for (int first = 0; first < 16; first += LANES)
+                store_f32(work + (long)h * padded + (j0 - lo) + first, sum_each(dots[h] + first) * scale);
     }
     }
-    float inverse[8];
-    for (int h = 0; h < group; h++) inverse[h] = softmax_numerators(work + (long)h * padded, n);
+    float sums[8], tops[8];
+    for (int h = 0; h < group; h++) sums[h] = softmax_numerators(work + (long)h * padded, n - lo, &tops[h]);
     vf acc[8][128 / LANES];
     for (int h = 0; h < group; h++)
         for (int c = 0; c < chunks; c++) acc[h][c] = splat(0.0f);
-    for (int j0 = 0; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
+    for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
         const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride;
         if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
         for (int j = j0; j < n && j < j0 + 16; j++) {
             vf vv[128 / LANES];
             for (int c = 0; c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
             for (int h = 0; h < group; h++) {
-                vf weight = splat(work[(long)h * padded + j]);
+                vf weight = splat(work[(long)h * padded + (j - lo)]);
                 for (int c = 0; c < chunks; c++) acc[h][c] += weight * vv[c];
             }
         }
     }
-    for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) {
-            if (f32) store_f32((float *)out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
-            else store_bf16((uint16_t *)out + (long)h * dim + LANES * c, acc[h][c] * inverse[h]);
+    if (partial) {
+        for (int h = 0; h < group; h++) {
+            float *mine = partial + (long)h * (dim + 2);
+            mine[0] = tops[h];
+            mine[1] = sums[h];
+            for (int c = 0; c < chunks; c++) store_f32(mine + 2 + LANES * c, acc[h][c]);
         }
+        return;
+    }
+    for (int h = 0; h < group; h++) {
+        float inverse = 1.0f / sums[h];
+        for (int c = 0; c < chunks; c++) {
+            if (f32) store_f32((float *)out + (long)h * dim + LANES * c, acc[h][c] * inverse);
+            else store_bf16((uint16_t *)out + (long)h * dim + LANES * c, acc[h][c] * inverse);
+        }
+    }
 #undef LOAD_KV
 }
 
-static void attend(const void *q, void *out, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int block_size, int n, int kv_heads, int kv_head, int group, int dim,
+/* One query head's result from its row's `parts` partials (dim + 2 floats each, `step` apart), merged in
+ * position order: each part's sums scaled from its own max to the overall one. */
+static void merge_partials(const float *partial, long step, int parts, int dim, void *out, int f32) {
+    float top = -INFINITY, total = 0.0f;
+    for (int c = 0; c < parts; c++) top = partial[c * step] > top ? partial[c * step] : top;
+    for (int c = 0; c < parts; c++) total += expf(partial[c * step] - top) * partial[c * step + 1];
+    float inverse = 1.0f / total;
+    for (int i = 0; i < dim; i += LANES) {
+        vf acc = splat(0.0f);
+        for (int c = 0; c < parts; c++) acc += splat(expf(partial[c * step] - top)) * load_f32(partial + c * step + 2 + i);
+        if (f32) store_f32((float *)out + i, acc * inverse);
+        else store_bf16((uint16_t *)out + i, acc * inverse);
+    }
+}
+
+static void attend(const void *q, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int block_size, int lo, int n, int kv_heads, int kv_head, int group, int dim,
                    float scale, float *work, int f32) {
-#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, G, D, scale, work, F); return;
+#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, G, D, scale, work, F); return;
 #define SHAPES(F) SHAPE(1, 64, F) SHAPE(2, 64, F) SHAPE(3, 64, F) SHAPE(4, 64, F) SHAPE(5, 64, F) SHAPE(6, 64, F) \
     SHAPE(7, 64, F) SHAPE(8, 64, F) SHAPE(1, 128, F) SHAPE(2, 128, F) SHAPE(3, 128, F) SHAPE(4, 128, F) SHAPE(5, 128, F) \
     SHAPE(6, 128, F) SHAPE(7, 128, F) SHAPE(8, 128, F)
     switch (!!f32 * 100000 + group * 1000 + dim) {
         SHAPES(0) SHAPES(1)
         default:
-            if (f32) attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, group, dim, scale, work, 1);
-            else attend_shape(q, out, k_cache, v_cache, table, block_size, n, kv_heads, kv_head, group, dim, scale, work, 0);
+            if (f32) attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, group, dim, scale, work, 1);
+            else attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, group, dim, scale, work, 0);
     }
 #undef SHAPES
 #undef SHAPE
@@ -318,12 +354,20 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
         if (tables[i] < 0 || tables[i] >= num_blocks) return -3;
     for (int t = 0; t < rows; t++)
         if (pos[t] < 0 || table_off[t] < 0 || (long)table_off[t] + pos[t] / block_size >= tables_len) return -3;
-    int longest = 0;
-    for (int t = 0; t < rows; t++) longest = pos[t] + 1 > longest ? pos[t] + 1 : longest;
-    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = 2 * group * ((longest + 31) / 32 * 32);
+    /* Attention tasks: a row of one part (up to SPLIT positions), a task per KV head; a longer row, a task per
+     * part, all its KV heads (one thread then reads the part's cache blocks whole, where their heads lie side
+     * by side), keeping each part's partial results (dim + 2 floats a query head) for merging. How the work
+     * is cut into tasks never changes what is computed. */
+    long tasks = 0, partial_floats = 0;
+    for (int t = 0; t < rows; t++) {
+        long parts = pos[t] / SPLIT + 1;
+        tasks += parts > 1 ? parts : kv_heads;
+        if (parts > 1) partial_floats += parts * heads * (dim + 2);
+    }
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = 2 * group * SPLIT;
     const size_t counts[] = {(size_t)rows * width, (size_t)rows * width, (size_t)rows * qkv_width,
                              (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
-    size_t need = sizeof(float) * (size_t)threads * per_thread;
+    size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(int32_t) * (3 * tasks + rows);
     for (int i = 0; i < 6; i++) need += (counts[i] * elem + 63) / 64 * 64;
     if (need > scratch.size) {
         free(scratch.memory);
@@ -334,7 +378,16 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
     char *buffers[6], *next = scratch.memory;
     for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
     void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *act = buffers[5];
-    float *work = (float *)next;
+    float *work = (float *)next, *partials = work + (size_t)threads * per_thread;
+    int32_t *task_row = (int32_t *)(partials + partial_floats), *task_part = task_row + tasks;
+    int32_t *task_head = task_part + tasks, *partial_at = task_head + tasks;  /* task_head -1: all of them */
+    for (int t = 0, task = 0, at = 0; t < rows; t++) {
+        int parts = pos[t] / SPLIT + 1;
+        partial_at[t] = parts > 1 ? at : -1;
+        at += parts > 1 ? parts * heads * (dim + 2) : 0;
+        for (int i = 0; i < (parts > 1 ? parts : kv_heads); i++, task++)
+            task_row[task] = t, task_part[task] = parts > 1 ? i : 0, task_head[task] = parts > 1 ? -1 : i;
+    }
     int status = 0;
     for (int l = 0; l < num_layers && status == 0; l++) {
         const uint64_t *p = layers + (long)l * PER_LAYER;
@@ -371,11 +424,21 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
 #endif
             float *mine = work + (size_t)omp_get_thread_num() * per_thread;
             #pragma omp for schedule(dynamic)
-            for (int task = 0; task < rows * kv_heads; task++) {
-                int t = task / kv_heads, g = task % kv_heads;
-                attend((const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
-                       (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem,
-                       k_cache, v_cache, tables + table_off[t], block_size, pos[t] + 1, kv_heads, g, group, dim, scale, mine, f32);
+            for (long task = 0; task < tasks; task++) {
+                const int t = task_row[task], c = task_part[task], end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
+                for (int g = task_head[task] < 0 ? 0 : task_head[task]; g < (task_head[task] < 0 ? kv_heads : task_head[task] + 1); g++) {
+                    float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
+                    attend((const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
+                           (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem, partial, k_cache, v_cache,
+                           tables + table_off[t], block_size, c * SPLIT, end, kv_heads, g, group, dim, scale, mine, f32);
+                }
+            }
+            #pragma omp for schedule(static)
+            for (int task = 0; task < rows * heads; task++) {
+                int t = task / heads, h = task % heads;
+                if (partial_at[t] >= 0)
+                    merge_partials(partials + partial_at[t] + (long)h * (dim + 2), (long)heads * (dim + 2), pos[t] / SPLIT + 1,
+                                   dim, (char *)attn + ((long)t * heads * dim + (long)h * dim) * elem, f32);
             }
 #ifdef __AMX_TILE__
             if (!f32) _tile_release();
