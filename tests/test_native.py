@@ -184,9 +184,9 @@ def test_unsupported_models_keep_transformers_layers(kernels):
 def test_a_plan_outside_the_cache_is_an_error_not_a_crash(kernels):
     model, _ = make("llama")
     engine = Engine(model, config=EngineConfig(num_blocks=8))
-    with pytest.raises(RuntimeError, match=r"\(-3\)"):
+    with pytest.raises(RuntimeError, match="a block table or position outside the cache"):
         engine.runner.execute([StepChunk([1, 2, 3], 0, [8], True)])  # block 8 of a pool of 0..7
-    with pytest.raises(RuntimeError, match=r"\(-3\)"):
+    with pytest.raises(RuntimeError, match="a block table or position outside the cache"):
         engine.runner.execute([StepChunk([1], 40, [0, 1], True)])  # position 40 needs a third block
     assert engine.runner.execute([StepChunk([1, 2, 3], 0, [7], True)]).shape[0] == 1
     engine.close()
@@ -267,12 +267,22 @@ def test_what_decoder_c_reads_is_checked_in_python_first(kernels, monkeypatch):
 
     monkeypatch.setattr(type(rotary), "forward", narrow)
     monkeypatch.setattr(engine.runner.native, "rotary", native.RotaryTable(rotary, torch.bfloat16))  # not the cached one
-    with pytest.raises(ValueError, match=r"rotary cos as a contiguous bf16 CPU tensor of shape \(3, 32\), got \(3, 16\)"):
+    with pytest.raises(ValueError, match=r"rotary cos as a contiguous bf16 CPU tensor of shape \(\d+, 32\), got \(\d+, 16\)"):
         engine.runner.native.execute(plan)
     monkeypatch.setattr(type(rotary), "forward", original)
-    monkeypatch.setattr(model.model.embed_tokens, "forward", lambda ids: torch.zeros(len(ids), 128))
-    with pytest.raises(ValueError, match="hidden states as a contiguous bf16 CPU tensor.*torch.float32"):
-        engine.runner.native.execute(plan)
+    monkeypatch.setattr(engine.runner.native, "rotary", native.RotaryTable(rotary, torch.bfloat16))
+    weight = model.model.embed_tokens.weight
+    for wrong, words in ((weight.detach()[:, :32].contiguous(), r"the embedding as a contiguous bf16 CPU tensor of shape \(\d+, 128\), got \(\d+, 32\)"),
+                         (weight.detach().t().contiguous().t(), "the embedding .* \\(strided\\)"),
+                         (weight.detach().half(), "reads the embedding in bf16, not torch.float16")):
+        monkeypatch.setattr(engine.runner.native, "embedding", wrong)
+        with pytest.raises(ValueError, match=words):
+            engine.runner.native.execute(plan)
+    monkeypatch.setattr(engine.runner.native, "embedding", None)
+    # An id past the vocabulary would read past the embedding: decoder.c refuses it, and the cache is untouched.
+    for ids in ([1, 2, weight.shape[0]], [-1]):
+        with pytest.raises(RuntimeError, match="a token id or sampled row out of range"):
+            engine.runner.native.execute([StepChunk(ids, 0, [0], True)])
     engine.close()
     monkeypatch.undo()
     monkeypatch.setattr(type(rotary), "forward", narrow)

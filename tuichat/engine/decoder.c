@@ -53,11 +53,6 @@ static void rms_norm_f32(const float *x, const float *weight, float *out, int ro
     }
 }
 
-/* The final norm of the rows that sample (rows[i] of x, each `width` wide), fp32 as above. */
-void final_norm_f32(const float *x, const int32_t *rows, int n, int width, const float *weight, float eps, float *out) {
-    for (int i = 0; i < n; i++) rms_norm_f32(x + (long)rows[i] * width, weight, out + (long)i * width, 1, width, eps);
-}
-
 static void add_into_f32(float *x, const float *y, long n) {
     for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_f32(y + i));
 }
@@ -338,14 +333,15 @@ static int linear_parts(const void *x, const uint64_t *weights, const int *sizes
  * step. */
 static __thread struct { void *memory; size_t size; } scratch;
 
-/* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin [rows, dim]: bf16, rounded
- * where transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the
- * cache f16 (see rms_norm_f32); layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache holds
- * num_blocks blocks. 0 on success, -3 for a block table or position outside the cache. */
-int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, const int32_t *pos,
-                    const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
-                    const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
-                    int block_size, float eps, float scale, int threads) {
+/* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin: bf16, rounded where
+ * transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the cache f16
+ * (see rms_norm_f32); cos/sin hold a row per position (row t reads pos[t]'s) where by_position, else one per
+ * row, each dim wide; layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache
+ * holds num_blocks blocks. 0 on success, -3 for a block table or position outside the cache. */
+static int decoder_layers(void *hidden, int f32, const void *cos, const void *sin, int by_position, const int32_t *pos,
+                          const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
+                          const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
+                          int block_size, float eps, float scale, int threads) {
     int group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * dim;
     if (rows < 1 || rows > 512 || width % 32 || dim % 32 || dim > 128 || heads % kv_heads || group > 8 || inter % 32 || block_size % 16)
         return -1;
@@ -401,10 +397,11 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
         for (int t = 0; t < rows; t++) {
             const int32_t *table = tables + table_off[t];
             long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
+            const long at = (long)(by_position ? pos[t] : t) * dim;  /* its cos/sin */
             if (f32) {
                 float *row = (float *)qkv + (long)t * qkv_width;
                 for (int h = 0; h < heads + kv_heads; h++)
-                    rotate_f32(row + (long)h * dim, (const float *)cos + (long)t * dim, (const float *)sin + (long)t * dim, dim);
+                    rotate_f32(row + (long)h * dim, (const float *)cos + at, (const float *)sin + at, dim);
                 for (long i = 0; i < kv_width; i += LANES) {
                     store_f16(k_cache + slot * kv_width + i, load_f32(row + (long)heads * dim + i));
                     store_f16(v_cache + slot * kv_width + i, load_f32(row + (long)(heads + kv_heads) * dim + i));
@@ -412,7 +409,7 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
             } else {
                 uint16_t *row = (uint16_t *)qkv + (long)t * qkv_width;
                 for (int h = 0; h < heads + kv_heads; h++)
-                    rotate(row + (long)h * dim, (const uint16_t *)cos + (long)t * dim, (const uint16_t *)sin + (long)t * dim, dim);
+                    rotate(row + (long)h * dim, (const uint16_t *)cos + at, (const uint16_t *)sin + at, dim);
                 memcpy(k_cache + slot * kv_width, row + (long)heads * dim, sizeof(uint16_t) * kv_width);
                 memcpy(v_cache + slot * kv_width, row + (long)(heads + kv_heads) * dim, sizeof(uint16_t) * kv_width);
             }
@@ -461,3 +458,50 @@ int decoder_forward(void *hidden, int f32, const void *cos, const void *sin, con
     }
     return status;
 }
+
+/* A step from its token ids, in one call (each torch op it replaces cost ~10-30 us in a decode step, where the
+ * weights just streamed through evicted the interpreter's caches). ints: the rows' ids, then their positions,
+ * then where each row's block table starts in `tables`, `rows` each. The embedding ([vocab, width], fp32 where
+ * emb_f32, else bf16) gives hidden's rows (the step's dtype, as decoder_layers); cos/sin are tables of
+ * `positions` positions (0: rows of the step's own). The rows run through the layers in pieces of up to 512, in
+ * order: a piece finds the K/V of those before it in the cache, as it would its own. Then, with final_weight
+ * (f32 only), the final norm of the rows sample_rows into `normed` [samples, width]. 0 on success; -1 for a
+ * shape the kernels do not take, -3 for a block table or position outside the cache, -4 for an id or sample
+ * row out of range. */
+int decoder_step(void *hidden, int f32, const int32_t *ints, int rows, const int32_t *tables, int tables_len,
+                 int num_blocks, const void *embedding, int emb_f32, int vocab, const void *cos, const void *sin,
+                 int positions, const int32_t *sample_rows, int samples, const float *final_weight, float final_eps,
+                 float *normed, const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim,
+                 int inter, int block_size, float eps, float scale, int threads) {
+    const int32_t *ids = ints, *pos = ints + rows, *table_off = ints + 2 * (long)rows;
+    if (rows < 1 || (emb_f32 && !f32) || width % LANES) return -1;
+    for (int t = 0; t < rows; t++) {
+        if (ids[t] < 0 || ids[t] >= vocab) return -4;
+        if (positions > 0 && pos[t] >= positions) return -3;
+    }
+    for (int i = 0; i < samples; i++)
+        if (sample_rows[i] < 0 || sample_rows[i] >= rows) return -4;
+    for (int t = 0; t < rows; t++) {
+        const long from = (long)ids[t] * width, to = (long)t * width;
+        if (emb_f32) memcpy((float *)hidden + to, (const float *)embedding + from, sizeof(float) * width);
+        else if (!f32) memcpy((uint16_t *)hidden + to, (const uint16_t *)embedding + from, sizeof(uint16_t) * width);
+        else
+            for (int i = 0; i < width; i += LANES)
+                store_f32((float *)hidden + to + i, load_bf16((const uint16_t *)embedding + from + i));
+    }
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int a = 0; a < rows; a += 512) {
+        const int n = rows - a < 512 ? rows - a : 512;
+        const long skip = positions > 0 ? 0 : (long)a * dim;
+        int status = decoder_layers((char *)hidden + (long)a * width * elem, f32, (const char *)cos + skip * elem,
+                                    (const char *)sin + skip * elem, positions > 0, pos + a, table_off + a, tables,
+                                    tables_len, num_blocks, n, layers, num_layers, width, heads, kv_heads, dim, inter,
+                                    block_size, eps, scale, threads);
+        if (status != 0) return status;
+    }
+    if (final_weight && f32)
+        for (int i = 0; i < samples; i++)
+            rms_norm_f32((const float *)hidden + (long)sample_rows[i] * width, final_weight, normed + (long)i * width, 1, width, final_eps);
+    return 0;
+}
+

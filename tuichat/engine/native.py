@@ -3,10 +3,10 @@ through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops.
 GGUF's blocks, every step runs there, its activations in fp32 and its KV cache in f16, as llama.cpp's.
 
 transformers still computes the rotary cos/sin (so every RoPE variant it knows keeps working), kept per position
-where its variant depends on nothing else; the embedding lookup and, in bf16, the final norm stay torch ops; the
-lm_head goes through our linear. Longer steps,
-other architectures, other dtypes and devices keep the transformers path of runner.py; both read and write
-the same paged cache.
+where its variant depends on nothing else; the embedding lookup, the layers and (with packed weights) the final
+norm are one C call; in bf16 the final norm stays transformers'; the lm_head goes through our linear. Longer
+steps, other architectures, other dtypes and devices keep the transformers path of runner.py; both read and
+write the same paged cache.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> No
                          f"{tuple(weight.data.shape)} {weight.data.dtype}")
 
 
+# decoder_step's failures (decoder.c).
+_FAILURES = {-1: "a shape the kernels do not take", -2: "out of memory",
+             -3: "a block table or position outside the cache", -4: "a token id or sampled row out of range"}
+
 # RoPE variants whose cos/sin at a position depend on that position alone ("dynamic" and "longrope" rescale with
 # the longest position seen): their values can be computed once and looked up.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -105,14 +109,20 @@ class RotaryTable:
         self.cos = self.sin = torch.empty(0)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probe = torch.empty(0, dtype=self.dtype)
+        """cos/sin rows of these positions."""
         if not self.static:
+            probe = torch.empty(0, dtype=self.dtype)
             return tuple(t[0].contiguous() for t in self.rotary(probe, positions[None]))
-        needed = int(positions.max()) + 1
+        cos, sin = self.upto(int(positions.max()) + 1)
+        return cos[positions], sin[positions]
+
+    def upto(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables, grown to hold at least `needed` positions (static variants only)."""
         if needed > self.cos.shape[0]:
+            probe = torch.empty(0, dtype=self.dtype)
             every = torch.arange(-(-needed // self.GROW) * self.GROW)
             self.cos, self.sin = (t[0].contiguous() for t in self.rotary(probe, every[None]))
-        return self.cos[positions], self.sin[positions]
+        return self.cos, self.sin
 
 
 def _rotary_width(model) -> int:
@@ -154,13 +164,12 @@ class NativeDecoder:
         head = model.lm_head
         # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
         self.head = packed.get("lm_head") or (PackedWeight.of(head.weight) if CpuKernels.fits(head.weight, head.bias) else None)
-        self._fn = kernel.library.decoder_forward
+        self._fn = kernel.library.decoder_step
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p] + [ctypes.c_int] * 7 + [
-            ctypes.c_float, ctypes.c_float, ctypes.c_int]
-        self._final_norm = kernel.library.final_norm_f32
-        self._final_norm.restype = None
-        self._final_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
+                             + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 7
+                             + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
         self.num_blocks = kv.k[0].shape[0] // block_size
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
                or l.self_attn.scaling != self.scale for l in layers):
@@ -240,49 +249,47 @@ class NativeDecoder:
 
     @torch.inference_mode()
     def execute(self, chunks) -> torch.Tensor | None:
-        """Same contract as ModelRunner.execute: float32 logits of the sampling chunks, in order, or None."""
+        """Same contract as ModelRunner.execute: float32 logits of the sampling chunks, in order, or None. The
+        whole step below the lm_head is one decoder_step call, fed one int32 tensor: ids, positions, where each
+        row's block table starts, the rows that sample, then the tables."""
         tokens, positions, sample_rows = flatten(chunks)
-        table_offsets: list[int] = []  # per row: where its sequence's block table starts in `tables`
+        table_offsets: list[int] = []
         tables: list[int] = []
         for chunk in chunks:
             table_offsets += [len(tables)] * len(chunk.token_ids)
             tables += chunk.block_table
-        model = self.model.model
-        ids = torch.tensor(tokens)
-        # A fresh tensor either way: decoder.c updates it in place. Packed weights: every activation in fp32.
-        hidden = model.embed_tokens(ids) if self.embedding is None else self.embedding[ids]
-        if self.every_step:
-            hidden = hidden.float()
-        position_ids = torch.tensor(positions)
-        cos, sin = self.rotary(position_ids)  # in hidden's dtype
-        position_ids = position_ids.int()
-        table_offsets_t = torch.tensor(table_offsets, dtype=torch.int32)
-        tables_t = torch.tensor(tables, dtype=torch.int32)
-        shape = self.shape
+        n, shape = len(tokens), self.shape
+        ints = torch.tensor(tokens + positions + table_offsets + sample_rows + tables, dtype=torch.int32)
+        base = ints.data_ptr()
+        if self.rotary.static:  # tables by position: decoder.c looks each row's up
+            cos, sin = self.rotary.upto(max(positions) + 1)
+            by_position = cos.shape[0]
+        else:
+            cos, sin = self.rotary(torch.tensor(positions))
+            by_position = 0
         # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
         dtype = torch.float32 if self.every_step else torch.bfloat16
-        _check(hidden, (len(tokens), shape.hidden), "hidden states", dtype)
-        _check(cos, (len(tokens), shape.head_dim), "rotary cos", dtype)
-        _check(sin, (len(tokens), shape.head_dim), "rotary sin", dtype)
-        # A longer step in pieces of MAX_ROWS, in order: a piece's rows find the K/V of the pieces before it
-        # in the cache, as they would their own.
-        for a in range(0, len(tokens), MAX_ROWS):
-            b = min(a + MAX_ROWS, len(tokens))
-            status = self._fn(
-                hidden[a:b].data_ptr(), int(self.every_step), cos[a:b].data_ptr(), sin[a:b].data_ptr(), position_ids[a:b].data_ptr(),
-                table_offsets_t[a:b].data_ptr(), tables_t.data_ptr(), len(tables), self.num_blocks, b - a,
-                self._layers.data_ptr(), len(model.layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
-            )
-            if status != 0:
-                raise RuntimeError(f"decoder_forward failed ({status}) for {b - a} rows")
+        _check(cos, (by_position or n, shape.head_dim), "rotary cos", dtype)
+        _check(sin, (by_position or n, shape.head_dim), "rotary sin", dtype)
+        embedding = self.model.model.embed_tokens.weight if self.embedding is None else self.embedding
+        _check(embedding, (embedding.shape[0], shape.hidden), "the embedding", embedding.dtype)
+        if embedding.dtype not in (torch.bfloat16, dtype):
+            raise ValueError(f"decoder.c reads the embedding in bf16{' or float32' if self.every_step else ''}, not {embedding.dtype}")
+        hidden = torch.empty(n, shape.hidden, dtype=dtype)  # decoder.c writes every row
+        fused_norm = self.final_norm is not None and bool(sample_rows)
+        last = torch.empty(len(sample_rows), shape.hidden) if fused_norm else None
+        status = self._fn(
+            hidden.data_ptr(), int(self.every_step), base, n, base + 4 * (3 * n + len(sample_rows)), len(tables),
+            self.num_blocks, embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0],
+            cos.data_ptr(), sin.data_ptr(), by_position, base + 4 * 3 * n, len(sample_rows),
+            self.final_norm.data_ptr() if fused_norm else None, self.final_eps, last.data_ptr() if fused_norm else None,
+            self._layers.data_ptr(), len(self.model.model.layers), shape.hidden, shape.heads, shape.kv_heads,
+            shape.head_dim, shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"decoder_step failed for {n} rows: {_FAILURES.get(status, status)}")
         if not sample_rows:
             return None
-        if self.final_norm is None:
-            last = model.norm(hidden[sample_rows])
-        else:  # RMSNorm over fp32 weights, in C: five torch ops here cost ~0.15 ms a decode step
-            rows = torch.tensor(sample_rows, dtype=torch.int32)
-            last = torch.empty(len(sample_rows), shape.hidden)
-            self._final_norm(hidden.data_ptr(), rows.data_ptr(), len(sample_rows), shape.hidden,
-                             self.final_norm.data_ptr(), self.final_eps, last.data_ptr())
+        if last is None:
+            last = self.model.model.norm(hidden[sample_rows])
         return self.lm_head(last).float()
