@@ -465,13 +465,15 @@ static int decoder_layers(void *hidden, int f32, const void *cos, const void *si
  * emb_f32, else bf16) gives hidden's rows (the step's dtype, as decoder_layers); cos/sin are tables of
  * `positions` positions (0: rows of the step's own). The rows run through the layers in pieces of up to 512, in
  * order: a piece finds the K/V of those before it in the cache, as it would its own. Then, with final_weight
- * (f32 only), the final norm of the rows sample_rows into `normed` [samples, width]. 0 on success; -1 for a
+ * (f32 only), the final norm of the rows sample_rows into `normed` [samples, width], and with `head` (a weight
+ * in any_linear's formats, vocab_out rows) their logits into `logits` [samples, vocab_out]. 0 on success; -1 for a
  * shape the kernels do not take, -3 for a block table or position outside the cache, -4 for an id or sample
  * row out of range. */
 int decoder_step(void *hidden, int f32, const int32_t *ints, int rows, const int32_t *tables, int tables_len,
                  int num_blocks, const void *embedding, int emb_f32, int vocab, const void *cos, const void *sin,
                  int positions, const int32_t *sample_rows, int samples, const float *final_weight, float final_eps,
-                 float *normed, const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim,
+                 float *normed, const void *head, int head_format, const uint16_t *head_bias, int vocab_out, float *logits,
+                 const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim,
                  int inter, int block_size, float eps, float scale, int threads) {
     const int32_t *ids = ints, *pos = ints + rows, *table_off = ints + 2 * (long)rows;
     if (rows < 1 || (emb_f32 && !f32) || width % LANES) return -1;
@@ -499,9 +501,16 @@ int decoder_step(void *hidden, int f32, const int32_t *ints, int rows, const int
                                     block_size, eps, scale, threads);
         if (status != 0) return status;
     }
-    if (final_weight && f32)
-        for (int i = 0; i < samples; i++)
-            rms_norm_f32((const float *)hidden + (long)sample_rows[i] * width, final_weight, normed + (long)i * width, 1, width, final_eps);
+    if (!final_weight || !f32) return 0;
+    for (int i = 0; i < samples; i++)
+        rms_norm_f32((const float *)hidden + (long)sample_rows[i] * width, final_weight, normed + (long)i * width, 1, width, final_eps);
+    if (!head || samples < 1) return 0;
+    for (int a = 0; a < samples; a += 512) {  /* the lm_head: logits [samples, vocab_out], fp32 */
+        const int n = samples - a < 512 ? samples - a : 512;
+        int status = any_linear(normed + (long)a * width, head, head_format, head_bias, logits + (long)a * vocab_out, n,
+                                vocab_out, width, width, vocab_out, threads, 1);
+        if (status != 0) return status;
+    }
     return 0;
 }
 

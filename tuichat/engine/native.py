@@ -168,7 +168,8 @@ class NativeDecoder:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
                              + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 7
+                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 7
                              + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
         self.num_blocks = kv.k[0].shape[0] // block_size
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
@@ -278,18 +279,25 @@ class NativeDecoder:
         hidden = torch.empty(n, shape.hidden, dtype=dtype)  # decoder.c writes every row
         fused_norm = self.final_norm is not None and bool(sample_rows)
         last = torch.empty(len(sample_rows), shape.hidden) if fused_norm else None
+        # The lm_head too where the final norm is ours (fp32 in, fp32 logits out).
+        head, bias = (self.head, self.model.lm_head.bias) if fused_norm and self.head is not None else (None, None)
+        logits = torch.empty(len(sample_rows), head.out_features) if head is not None else None
         status = self._fn(
             hidden.data_ptr(), int(self.every_step), base, n, base + 4 * (3 * n + len(sample_rows)), len(tables),
             self.num_blocks, embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0],
             cos.data_ptr(), sin.data_ptr(), by_position, base + 4 * 3 * n, len(sample_rows),
             self.final_norm.data_ptr() if fused_norm else None, self.final_eps, last.data_ptr() if fused_norm else None,
-            self._layers.data_ptr(), len(self.model.model.layers), shape.hidden, shape.heads, shape.kv_heads,
+            head.data.data_ptr() if head is not None else None, head.format if head is not None else 0,
+            bias.data_ptr() if bias is not None else None, head.out_features if head is not None else 0,
+            logits.data_ptr() if logits is not None else None, self._layers.data_ptr(), len(self.model.model.layers), shape.hidden, shape.heads, shape.kv_heads,
             shape.head_dim, shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"decoder_step failed for {n} rows: {_FAILURES.get(status, status)}")
         if not sample_rows:
             return None
+        if logits is not None:
+            return logits
         if last is None:
             last = self.model.model.norm(hidden[sample_rows])
         return self.lm_head(last).float()
