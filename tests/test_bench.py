@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from tuichat import bench
 from tuichat.backend import CHAT_SAMPLING, BackendError, Message
+from tuichat.bench.floor import BandwidthProbe
 from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
 from tuichat.local import chat_ids
@@ -58,6 +59,7 @@ def positive(value):
 
 
 TORCH_WORK = [(bench.HFPeer, name) for name in ("__init__", "bare_forward_ms", "generate", "static_batch", "generate_batch")]
+TORCH_WORK += [(BandwidthProbe, "__init__"), (BandwidthProbe, "sample")]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,11 @@ def test_json_has_every_required_key_with_sane_types(run):
     # The sampled row runs a chat's default: the embedded model recommends none, so tuichat's own.
     sampling = result["scenarios"]["single"]["tuichat_sampled"]["sampling"]
     assert {k: v for k, v in sampling.items() if v} == dict(CHAT_SAMPLING)
+    # The TPOT target's floor: tuichat's bytes at the bandwidth read before and after each prompt's requests.
+    single, during = result["scenarios"]["single"], result["scenarios"]["single"]["floor_during"]
+    assert during["samples"] == 2 * single["prompts"] and during["weight_bytes"] == result["floor"]["tuichat"]["weight_bytes"]
+    assert during["decode_step_ms"] == pytest.approx(during["weight_bytes"] / (during["bandwidth_gb_s"] * 1e9) * 1000)
+    assert during["at_best_bandwidth_ms"] == pytest.approx(result["floor"]["tuichat"]["decode_step_ms"])
 
 
 def test_per_turn_lists_have_one_entry_per_turn_and_the_cache_serves_turn_two(run):
@@ -345,7 +352,7 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         sc["speculative"]["grounded_tabs_auto_over_off"],
         sc["speculative"]["open_single_auto_over_off"],
         sc["speculative"]["open_tabs_auto_over_off"],
-        single["tuichat"]["tpot_ms"] / run[0]["floor"]["tuichat"]["decode_step_ms"],
+        single["tuichat"]["tpot_ms"] / single["floor_during"]["decode_step_ms"],
     ]
     targets = run[0]["targets"]
     measured = [t for t in targets if "llama_cpp" not in t["name"] and "tuichat serve" not in t["name"]]

@@ -24,6 +24,29 @@ def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
     return size / best
 
 
+class BandwidthProbe:
+    """One sum over a buffer allocated once: the bandwidth at this moment, to sample between a scenario's
+    requests. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
+    compared with the floor at the bandwidth measured around its own requests, not at the run's best moment."""
+
+    def __init__(self, device, megabytes: int = 512) -> None:
+        import torch
+
+        self.device = device
+        self.buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+        self.buffer.sum().item()  # faults the pages in
+
+    def sample(self) -> float:
+        """Bytes/s of one read of the buffer."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.buffer.sum().item()
+        return self.buffer.numel() * 4 / (time.perf_counter() - start)
+
+
 def step_floor(weights: str, weight_bytes: int, bandwidth: float) -> dict[str, Any]:
     step_ms = weight_bytes / bandwidth * 1000
     return {"weights": weights, "weight_bytes": weight_bytes, "decode_step_ms": step_ms, "decode_tokens_per_s": 1000 / step_ms}

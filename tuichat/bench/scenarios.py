@@ -36,7 +36,7 @@ from tuichat.bench.corpus import (
     FIRST_TURN, FOLLOW_UPS, LONG_REPLY_PROMPTS, PROBE_QUESTION, QUESTIONS, SHARED_PREFIX_QUESTIONS, SINGLE_QUESTIONS,
     SYSTEM_PROMPT, WARMUP_QUESTION, GROUNDED_PROMPTS, OPEN_PROMPTS,
 )
-from tuichat.bench.floor import measure_bandwidth, step_floor
+from tuichat.bench.floor import BandwidthProbe, measure_bandwidth, step_floor
 from tuichat.bench.peers.hf import HFPeer
 from tuichat.bench.peers.llama_server import LlamaServerPeer, find_llama_server
 from tuichat.bench.peers.serve import ServePeer
@@ -159,7 +159,7 @@ class _Run:
         conversations = [[Message("user", q)] for q in questions]
         params = SamplingParams(max_tokens=s.single_tokens)
         prompts = [self.ids(m) for m in conversations]
-        ours, sampled, bare, hf = [], [], [], []
+        ours, sampled, bare, hf, bandwidth = [], [], [], [], []
         # Interleaved per prompt (tuichat, bare forward, generate), so a noisy neighbour hits all three alike.
         # Speculation off: TPOT stays one step's cost (the floor's target), and llama.cpp runs without its own;
         # the speculative scenario measures what it adds. Every comparison is greedy; the same prompts with the
@@ -167,9 +167,12 @@ class _Run:
         with self.step("single · tuichat, bare forward, hf_generate"), \
                 self.tuichat(batching="continuous", prefix_cache=False, speculate="off") as tc:
             chat = chat_sampling(tc.backend.sampling_defaults(tc.name), {"max_tokens": s.single_tokens, "seed": 0})
+            probe = on_own_thread(BandwidthProbe, self.device, s.bandwidth_mb)
             for i, (messages, prompt) in enumerate(zip(conversations, prompts)):
+                bandwidth.append(on_own_thread(probe.sample))
                 ours.append(tc.run(stream_once, f"single-{i}", messages, params))
                 sampled.append(tc.run(stream_once, f"single-sampled-{i}", messages, chat))
+                bandwidth.append(on_own_thread(probe.sample))  # after both: on_own_thread waits for the engine thread
                 bare.append(on_own_thread(self.peer.bare_forward_ms, prompt))
                 if self.wants("hf_generate"):
                     hf.append(on_own_thread(self.peer.generate, prompt, s.single_tokens))
@@ -188,6 +191,10 @@ class _Run:
             "peers": {},
         }
         out["ttft_over_bare_forward"] = ratio(out["tuichat"]["ttft_ms"], out["bare_forward_ms"])
+        # The floor at the bandwidth measured just before and after each prompt's requests (their median).
+        out["floor_during"] = {"bandwidth_gb_s": median(bandwidth) / 1e9, "samples": len(bandwidth),
+                               **step_floor(tc.weights, tc.weight_bytes, median(bandwidth)),
+                               "at_best_bandwidth_ms": step_floor(tc.weights, tc.weight_bytes, self.bandwidth)["decode_step_ms"]}
         if hf:
             out["peers"]["hf_generate"] = self._single_summary(hf)
         if self.wants("llama_cpp"):
