@@ -137,7 +137,7 @@ def _single(s: dict[str, Any]) -> list[RenderableType]:
         lines.append(Text(f"  a chat's sampling: {chosen}, seed 0"))
     if (f := s.get("floor_during")) is not None:
         lines.append(Text(f"  floor at the bandwidth around these requests ({_fmt(f['bandwidth_gb_s'])} GB/s, median of "
-                          f"{f['samples']} reads): {_fmt(f['decode_step_ms'], 2)} ms a step; TPOT {_fmt(t['tpot_ms'], 2)} ms "
+                          f"{f['samples']}, each the best of 3 reads): {_fmt(f['decode_step_ms'], 2)} ms a step; TPOT {_fmt(t['tpot_ms'], 2)} ms "
                           f"is {_x(ratio(t['tpot_ms'], f['decode_step_ms']))} that, "
                           f"{_x(ratio(t['tpot_ms'], f['at_best_bandwidth_ms']))} the floor at the run's best bandwidth"))
     return lines
