@@ -229,6 +229,13 @@ class NativeDecoder:
             self.weights.append(self.head)
         # The parameters and the cache never move after this, so their addresses are taken once.
         self._layers = torch.tensor(addresses, dtype=torch.uint64)
+        self._model_args = (self._layers.data_ptr(), len(layers), s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate,
+                            block_size, self.eps, self.scale)
+        bias = model.lm_head.bias
+        self._no_head = (None, 0, None, 0)
+        self._head_args = self._no_head if self.head is None else (
+            self.head.data.data_ptr(), self.head.format, None if bias is None else bias.data_ptr(), self.head.out_features)
+        self._checked_embedding = None
 
     @property
     def formats(self) -> str:
@@ -259,7 +266,7 @@ class NativeDecoder:
         for chunk in chunks:
             table_offsets += [len(tables)] * len(chunk.token_ids)
             tables += chunk.block_table
-        n, shape = len(tokens), self.shape
+        n, shape, samples = len(tokens), self.shape, len(sample_rows)
         ints = torch.tensor(tokens + positions + table_offsets + sample_rows + tables, dtype=torch.int32)
         base = ints.data_ptr()
         if self.rotary.static:  # tables by position: decoder.c looks each row's up
@@ -273,24 +280,23 @@ class NativeDecoder:
         _check(cos, (by_position or n, shape.head_dim), "rotary cos", dtype)
         _check(sin, (by_position or n, shape.head_dim), "rotary sin", dtype)
         embedding = self.model.model.embed_tokens.weight if self.embedding is None else self.embedding
-        _check(embedding, (embedding.shape[0], shape.hidden), "the embedding", embedding.dtype)
-        if embedding.dtype not in (torch.bfloat16, dtype):
-            raise ValueError(f"decoder.c reads the embedding in bf16{' or float32' if self.every_step else ''}, not {embedding.dtype}")
+        if embedding is not self._checked_embedding:  # it never changes in a model's life: checked once
+            _check(embedding, (embedding.shape[0], shape.hidden), "the embedding", embedding.dtype)
+            if embedding.dtype not in (torch.bfloat16, dtype):
+                raise ValueError(f"decoder.c reads the embedding in bf16{' or float32' if self.every_step else ''}, not {embedding.dtype}")
+            self._checked_embedding = embedding
         hidden = torch.empty(n, shape.hidden, dtype=dtype)  # decoder.c writes every row
-        fused_norm = self.final_norm is not None and bool(sample_rows)
-        last = torch.empty(len(sample_rows), shape.hidden) if fused_norm else None
-        # The lm_head too where the final norm is ours (fp32 in, fp32 logits out).
-        head, bias = (self.head, self.model.lm_head.bias) if fused_norm and self.head is not None else (None, None)
-        logits = torch.empty(len(sample_rows), head.out_features) if head is not None else None
+        # With packed weights the final norm and the lm_head run in the same call (fp32 logits straight out).
+        fused = self.final_norm is not None and samples > 0
+        last = torch.empty(samples, shape.hidden) if fused else None
+        head = self._head_args if fused else self._no_head
+        logits = torch.empty(samples, head[3]) if fused and head[0] is not None else None
         status = self._fn(
-            hidden.data_ptr(), int(self.every_step), base, n, base + 4 * (3 * n + len(sample_rows)), len(tables),
+            hidden.data_ptr(), int(self.every_step), base, n, base + 4 * (3 * n + samples), len(tables),
             self.num_blocks, embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0],
-            cos.data_ptr(), sin.data_ptr(), by_position, base + 4 * 3 * n, len(sample_rows),
-            self.final_norm.data_ptr() if fused_norm else None, self.final_eps, last.data_ptr() if fused_norm else None,
-            head.data.data_ptr() if head is not None else None, head.format if head is not None else 0,
-            bias.data_ptr() if bias is not None else None, head.out_features if head is not None else 0,
-            logits.data_ptr() if logits is not None else None, self._layers.data_ptr(), len(self.model.model.layers), shape.hidden, shape.heads, shape.kv_heads,
-            shape.head_dim, shape.intermediate, self.block_size, self.eps, self.scale, torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), by_position, base + 4 * 3 * n, samples,
+            self.final_norm.data_ptr() if fused else None, self.final_eps, last.data_ptr() if fused else None,
+            *head, logits.data_ptr() if logits is not None else None, *self._model_args, torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"decoder_step failed for {n} rows: {_FAILURES.get(status, status)}")
