@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tests.helpers import hf_greedy, template_ids
 from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.cli import main
-from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
+from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher, _backend_decode
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.local import LocalBackend, chat_ids
 
@@ -55,10 +55,32 @@ def test_detokenizer_is_utf8_safe_one_token_at_a_time(embedded):
     tokenizer = embedded[3]
     text = "Größe: 42 € — 東京 😀 naïve café\n```python\nprint('ok')\n```"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [])
-    pieces = [detok.add(i) for i in ids]
-    assert "".join(pieces) == text
-    assert not any("\ufffd" in p for p in pieces)
+    for through_transformers in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [])
+        if through_transformers:
+            detok._decode = detok._decode_through_transformers
+        pieces = [detok.add(i) for i in ids]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_detokenizer_reads_the_backend_only_where_transformers_would_just_wrap_it(embedded):
+    """The fast path skips transformers' decode: a tokenizer class that changes decoding keeps its own."""
+    import copy
+
+    tokenizer = embedded[3]
+    assert _backend_decode(tokenizer) is not None
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    assert _backend_decode(shouting) is None
+    detok = IncrementalDetokenizer(shouting, [])
+    ids = tokenizer("naïve café, twice", add_special_tokens=False)["input_ids"]
+    assert "".join(detok.add(i) for i in ids) == "NAÏVE CAFÉ, TWICE"
 
 
 def test_stop_matcher_never_shows_a_stop_string():
