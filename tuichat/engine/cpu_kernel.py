@@ -48,7 +48,7 @@ class CpuKernels:
     calling it runs the linear."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.library = library  # keeps the .so mapped; native.py finds decoder_forward in it
+        self.library = library  # keeps the .so mapped; native.py finds decoder_step in it
         library.kernel_isa.restype = ctypes.c_char_p
         self.isa: str = library.kernel_isa().decode()
         self._fn = library.cpu_linear
