@@ -7,25 +7,8 @@ import time
 from typing import Any
 
 
-def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: the best of a few torch sums over one large buffer."""
-    import torch
-
-    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass faults the pages in
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        buffer.sum().item()
-        best = min(best, time.perf_counter() - start)
-    size = buffer.numel() * 4
-    del buffer
-    return size / best
-
-
 class BandwidthProbe:
-    """One sum over a buffer allocated once: the bandwidth at this moment, to sample between a scenario's
+    """Sums over a buffer allocated once: the bandwidth at this moment, to sample between a scenario's
     requests. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
     compared with the floor at the bandwidth measured around its own requests, not at the run's best moment."""
 
@@ -49,6 +32,11 @@ class BandwidthProbe:
             self.buffer.sum().item()
             best = min(best, time.perf_counter() - start)
         return self.buffer.numel() * 4 / best
+
+
+def measure_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of a few torch sums over one large buffer, once its pages are in."""
+    return BandwidthProbe(device, megabytes).sample(repeats)
 
 
 def step_floor(weights: str, weight_bytes: int, bandwidth: float) -> dict[str, Any]:

@@ -192,9 +192,10 @@ class _Run:
         }
         out["ttft_over_bare_forward"] = ratio(out["tuichat"]["ttft_ms"], out["bare_forward_ms"])
         # The floor at the bandwidth measured just before and after each prompt's requests (their median).
-        out["floor_during"] = {"bandwidth_gb_s": median(bandwidth) / 1e9, "samples": len(bandwidth),
+        during = median(bandwidth)
+        out["floor_during"] = {"bandwidth_gb_s": during / 1e9, "samples": len(bandwidth),
                                "samples_gb_s": [b / 1e9 for b in bandwidth],
-                               **step_floor(tc.weights, tc.weight_bytes, median(bandwidth)),
+                               **step_floor(tc.weights, tc.weight_bytes, during),
                                "at_best_bandwidth_ms": step_floor(tc.weights, tc.weight_bytes, self.bandwidth)["decode_step_ms"]}
         if hf:
             out["peers"]["hf_generate"] = self._single_summary(hf)

@@ -4,7 +4,8 @@ GGUF's blocks, every step runs there, its activations in fp32 and its KV cache i
 
 transformers still computes the rotary cos/sin (so every RoPE variant it knows keeps working), kept per position
 where its variant depends on nothing else; the embedding lookup, the layers and (with packed weights) the final
-norm are one C call; in bf16 the final norm stays transformers'; the lm_head goes through our linear. Longer
+norm and the lm_head are one C call; in bf16 the final norm stays transformers' and the lm_head goes through
+our linear after it. Longer
 steps, other architectures, other dtypes and devices keep the transformers path of runner.py; both read and
 write the same paged cache.
 """
@@ -258,10 +259,10 @@ class NativeDecoder:
     @torch.inference_mode()
     def execute(self, chunks) -> torch.Tensor | None:
         """Same contract as ModelRunner.execute: float32 logits of the sampling chunks, in order, or None. The
-        whole step below the lm_head is one decoder_step call, fed one int32 tensor: ids, positions, where each
-        row's block table starts, the rows that sample, then the tables."""
+        step (with packed weights, up to the logits) is one decoder_step call, fed one int32 tensor: ids,
+        positions, where each row's block table starts, the rows that sample, then the tables."""
         tokens, positions, sample_rows = flatten(chunks)
-        table_offsets: list[int] = []
+        table_offsets: list[int] = []  # per row: where its sequence's block table starts in `tables`
         tables: list[int] = []
         for chunk in chunks:
             table_offsets += [len(tables)] * len(chunk.token_ids)
