@@ -146,6 +146,7 @@ def test_percentiles_are_ordered_and_counts_add_up(run):
     for entry in entries:
         assert entry["requests"] == TINY["tabs"]
         assert 0 < entry["output_tokens"] <= TINY["tabs"] * TINY["tab_tokens"]
+        assert 0 < entry["in_flight_mean"] <= entry["requests"] + 1e-9  # no reply outlives the wall
         # Every request has a TTFT; gaps between tokens exist once some request got a second token.
         metrics = ("ttft_ms", "itl_ms", "tpot_ms") if entry["output_tokens"] > entry["requests"] else ("ttft_ms",)
         for metric in metrics:
@@ -404,6 +405,11 @@ def test_percentile_and_summary():
     assert r.tpot_ms == 100.0 and r.decode_tokens_per_s == 10.0
     summary = bench.summarize([r, r], wall_s=2.0)
     assert summary["tokens_per_s"] == 4.0 and summary["itl_ms_p50"] == 100.0
+    assert summary["in_flight_mean"] is None  # no end times, no concurrency
+    # Replies live [0, 1] and [0.5, 1.5]: over the 1.5 s they overlap, 2 s of replies were in flight.
+    a = bench.RequestResult(submitted=10.0, finished=11.0, tokens=4)
+    b = bench.RequestResult(submitted=10.5, finished=11.5, tokens=4)
+    assert bench.summarize([a, b], wall_s=1.5)["in_flight_mean"] == pytest.approx(2.0 / 1.5)
 
 
 def test_progress_bar_lines_without_a_terminal():

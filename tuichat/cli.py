@@ -304,7 +304,7 @@ def models() -> None:
               help="Gap between tab arrivals [100], for tuichat and the batching peers alike; 0 sends all at once.")
 @click.option("--turns", type=click.IntRange(min=1), default=None, help="Turns per conversation [8; --quick: 4].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help="Cap on every reply (default: 64 single/tabs, 96 per turn; --quick: 32/64/48).")
+              help="Cap on every reply (default: 64 single, 128 tabs, 96 per turn; --quick: 32/128/48).")
 @click.option("--peers", default="all", show_default=True,
               help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp (or none).")
 @click.option("--llama-server", "llama_server", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -144,7 +144,7 @@ def _single(s: dict[str, Any]) -> list[RenderableType]:
 
 
 def _tabs(s: dict[str, Any]) -> list[RenderableType]:
-    headers = ["", "tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "TPOT p50", "tokens", "tuichat ÷"]
+    headers = ["", "tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "TPOT p50", "tokens", "in flight", "tuichat ÷"]
     rows = []
     for name, v in [(f"tuichat {m}", v) for m, v in s["modes"].items()] + list(s["peers"].items()):
         if "skipped" in v:
@@ -152,7 +152,7 @@ def _tabs(s: dict[str, Any]) -> list[RenderableType]:
             continue
         rows.append([name, _fmt(v["tokens_per_s"]), _fmt(v["ttft_ms_p50"], 0), _fmt(v["ttft_ms_p90"], 0), _fmt(v["itl_ms_p50"], 0),
                      _fmt(v["itl_ms_p90"], 0), _fmt(v["tpot_ms_p50"], 0), str(v["output_tokens"]),
-                     "" if name == "tuichat continuous" else _x(v.get("tuichat_over"))])
+                     _fmt(v.get("in_flight_mean"), 1), "" if name == "tuichat continuous" else _x(v.get("tuichat_over"))])
     return [Text(f"tabs · {s['tabs']} conversations, {s['stagger_ms']:.0f} ms apart, ≤{s['max_tokens']} tokens, EOS on "
                  "(the batching peers get the same arrivals)", style="bold"),
             _table(headers, rows)]

@@ -1,8 +1,8 @@
 """What a run measures and with which caps: `BenchSettings`, the `--scenarios`/`--peers` lists, and the run's
 steps for the progress bar.
 
-Caps: 64 tokens per single/tab reply, 96 per turn and per speculative reply, 8 tabs, 8 turns. `--quick`: 3
-single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <= 64, and
+Caps: 64 tokens per single reply, 128 per tab reply, 96 per turn and per speculative reply, 8 tabs, 8 turns.
+`--quick`: 3 single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <= 64, and
 no transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn); the
 tabs keep their full cap. The one-at-a-time peer
 (`hf_generate`) runs the first tab prompts only (4, or 2 with `--quick`): its tok/s does not depend on how
@@ -35,7 +35,7 @@ class BenchSettings:
     tabs: int = 8
     turns: int = 8
     single_tokens: int = 64  # cap of each single-conversation reply
-    tab_tokens: int = 64  # cap of each reply in tabs
+    tab_tokens: int = 128  # cap of each reply in tabs
     turn_tokens: int = 96  # cap of each multiturn reply
     probe_tokens: int = 4  # TTFT-only requests (cache-off replay, shared prefix, interference probes)
     spec_tokens: int = 96  # cap of each reply in the speculative scenario (a rewritten paragraph is ~80)
@@ -51,8 +51,8 @@ class BenchSettings:
     @classmethod
     def make(cls, quick: bool = False, **overrides: Any) -> BenchSettings:
         # Quick keeps tabs' full reply cap: a short reply ends before the later tabs arrive, so few tabs overlap
-        # and tok/s measures the arrival schedule more than batching. The one-at-a-time peer, slow at that
-        # length, runs two prompts instead.
+        # and tok/s measures the arrival schedule more than batching (`in_flight_mean` shows how many did). The
+        # one-at-a-time peer, slow at that length, runs two prompts instead.
         base = dict(turns=4, single_tokens=32, turn_tokens=48, single_prompts=3, sequential_peer_prompts=2,
                     multiturn_peer=False, bandwidth_mb=256, spec_tokens=64) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})

@@ -70,6 +70,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
     ttfts = [r.ttft_ms for r in results]
     itls = [gap for r in results for gap in r.itl_ms]
     tpots = [r.tpot_ms for r in results]
+    # Little's law: the replies in flight on average over the wall. Near 1 for tabs, the scenario times the
+    # arrivals rather than the batching: each reply ended before the next tab came.
+    in_flight = sum(r.finished - r.submitted for r in results) / wall_s if wall_s > 0 and all(r.finished for r in results) else None
     return {
         "requests": len(results),
         "output_tokens": tokens,
@@ -81,4 +84,5 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "itl_ms_p90": percentile(itls, 0.9),
         "tpot_ms_p50": percentile(tpots, 0.5),
         "tpot_ms_p90": percentile(tpots, 0.9),
+        "in_flight_mean": in_flight,
     }
