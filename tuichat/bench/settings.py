@@ -2,11 +2,10 @@
 steps for the progress bar.
 
 Caps: 64 tokens per single reply, 128 per tab reply, 96 per turn and per speculative reply, 8 tabs, 8 turns.
-`--quick`: 3 single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <= 64, and
-no transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn); the
-tabs keep their full cap. The one-at-a-time peer
-(`hf_generate`) runs the first tab prompts only (4, or 2 with `--quick`): its tok/s does not depend on how
-many wait.
+`--quick`: 3 single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <=
+64, and no transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn); the
+tabs keep their full cap. The one-at-a-time peer (`hf_generate`) runs the first tab prompts only (4, or 2 with
+`--quick`): its tok/s does not depend on how many wait.
 """
 
 from __future__ import annotations
