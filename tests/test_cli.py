@@ -35,6 +35,16 @@ def test_help_stays_light():
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == "[]"
 
 
+def test_bench_help_names_every_scenario_and_peer():
+    from click.testing import CliRunner
+
+    from tuichat.bench.settings import PEERS, SCENARIOS
+    from tuichat.cli import main
+
+    text = "".join(CliRunner().invoke(main, ["bench", "--help"]).output.split())  # whatever click wrapped
+    assert ",".join(SCENARIOS) in text and ",".join(PEERS) in text
+
+
 def test_paths_prints_every_location(tmp_path):
     result = run("-m", "tuichat", "paths", TUICHAT_CONFIG_DIR=str(tmp_path / "conf"),
                  TUICHAT_DATA_DIR=str(tmp_path / "hist"), TUICHAT_CACHE_DIR=str(tmp_path / "c"))

@@ -298,7 +298,7 @@ def models() -> None:
 @click.option("--model", "-m", default=None, help="Model spec (default: smollm2-135m, the embedded model).")
 @click.option("--quick", is_flag=True, help="A short run (<= 90 s here): fewer turns, shorter replies.")
 @click.option("--scenarios", default="all", show_default=True,
-              help="Comma-separated: single,tabs,multiturn,shared_prefix,interference.")
+              help="Comma-separated: single,tabs,multiturn,shared_prefix,interference,speculative.")
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
 @click.option("--stagger-ms", type=click.FloatRange(min=0), default=None,
               help="Gap between tab arrivals [100], for tuichat and the batching peers alike; 0 sends all at once.")
@@ -306,7 +306,7 @@ def models() -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Cap on every reply (default: 64 single, 128 tabs, 96 per turn; --quick: 32/128/48).")
 @click.option("--peers", default="all", show_default=True,
-              help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp (or none).")
+              help="Comma-separated: hf_generate,hf_static_batch,hf_generate_batch,llama_cpp,tuichat_serve (or none).")
 @click.option("--llama-server", "llama_server", type=click.Path(exists=True, dir_okay=False), default=None,
               help="The llama-server binary for the llama_cpp peer [$TUICHAT_LLAMA_SERVER, else on PATH].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
