@@ -351,6 +351,8 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         single["tuichat"]["decode_tokens_per_s"] / single["peers"]["hf_generate"]["decode_tokens_per_s"],
         sc["speculative"]["grounded_single_auto_over_off"],
         sc["speculative"]["grounded_tabs_auto_over_off"],
+        sc["speculative"]["modes"]["off"]["grounded"]["tabs"]["tpot_ms_p50"]
+        / sc["speculative"]["modes"]["auto"]["grounded"]["tabs"]["tpot_ms_p50"],
         sc["speculative"]["open_single_auto_over_off"],
         sc["speculative"]["open_tabs_auto_over_off"],
         single["tuichat"]["tpot_ms"] / single["floor_during"]["decode_step_ms"],

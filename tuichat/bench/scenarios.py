@@ -436,6 +436,9 @@ class _Run:
             out[f"{kind}_single_auto_over_off"] = ratio(auto[kind]["single"]["decode_tokens_per_s"],
                                                        off[kind]["single"]["decode_tokens_per_s"])
             out[f"{kind}_tabs_auto_over_off"] = ratio(auto[kind]["tabs"]["tokens_per_s"], off[kind]["tabs"]["tokens_per_s"])
+            # A tab's own decode rate (its meter's, 1000 / its TPOT, the median tab's): with tabs that arrive
+            # apart and overlap little, the aggregate measures the arrivals and this what speculation gave each.
+            out[f"{kind}_tab_decode_auto_over_off"] = ratio(off[kind]["tabs"]["tpot_ms_p50"], auto[kind]["tabs"]["tpot_ms_p50"])
         out["same_replies"] = all(replies[f"auto-{kind}"] == replies[f"off-{kind}"] for kind in kinds)
         return out
 
