@@ -171,6 +171,7 @@ def test_speculative_compares_off_and_auto_on_the_same_replies(run):
             spec["modes"]["auto"][kind]["single"]["decode_tokens_per_s"] / spec["modes"]["off"][kind]["single"]["decode_tokens_per_s"])
     # Drafts were verified on the embedded GGUF's C layers, and the replies still matched.
     assert spec["modes"]["off"]["acceptance"] is None and spec["modes"]["auto"]["acceptance"] > 0
+    assert spec["modes"]["off"]["tokens_per_step"] == 1  # switched off on the same engine, it drafts nothing
     assert spec["modes"]["auto"]["tokens_per_step"] > 1
     assert [t["name"] for t in run[0]["targets"] if t["name"].startswith("speculative")] and "speculative ·" in bench.render(run[0])
 

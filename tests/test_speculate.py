@@ -228,3 +228,26 @@ def test_auto_drafts_for_one_stream_and_not_for_many_ngram_always_off_never():
     for mode, alone, together in (("auto", True, False), ("ngram", True, True), ("off", False, False)):
         assert any(drafted(mode, [h]) for h in histories) is alone, mode
         assert drafted(mode, histories) is together, mode
+
+
+def test_switching_the_mode_mid_reply_keeps_generates_reply_and_off_drafts_nothing_more():
+    """The bench compares the modes on one engine: a switch applies from the next step, to the running requests
+    too (a draft proposed before a switch to off is not verified after it)."""
+    spec, reference = engine("ngram")
+    prompt = echoing_prompts(1, seed=9)[0]
+    seq = spec.submit(prompt, SamplingParams(max_tokens=60))
+    while spec.accepted_tokens == 0:
+        spec.step()
+    spec.set_speculate("off")
+    spec.step()
+    drafted = spec.draft_tokens
+    while seq.status is not Status.FINISHED and seq.num_completion_tokens < 40:
+        spec.step()
+    assert spec.draft_tokens == drafted and spec.config.speculate == "off"
+    spec.set_speculate("ngram")
+    while seq.status is not Status.FINISHED:
+        spec.step()
+    assert spec.draft_tokens > drafted
+    assert seq.completion_ids == hf_greedy(reference, prompt, 60)
+    with pytest.raises(ValueError, match="speculate must be one of auto, ngram, off"):
+        spec.set_speculate("always")

@@ -360,6 +360,13 @@ class LocalBackend:
             tokens_per_step=engine.sampled_tokens / engine.sampled_steps if engine.sampled_steps else 0.0,
         )
 
+    def set_speculate(self, model: str, mode: str) -> None:
+        """Speculative decoding's mode for a loaded model, from its engine's next step; its other options stay."""
+        loaded = self._loaded.get(self._names.get(model, model))
+        if loaded is None:
+            raise BackendError(f"{model} is not loaded.")
+        loaded.engine.set_speculate(mode)
+
     def sampling_defaults(self, model: str) -> dict:
         loaded = self._loaded.get(self._names.get(model, model))
         return dict(loaded.sampling) if loaded is not None else {}

@@ -410,27 +410,39 @@ class _Run:
 
     def speculative(self) -> dict[str, Any]:
         """Speculation off and auto on prompts that quote themselves and on open-ended ones, one stream at a time
-        and as tabs: decode tok/s, what auto gains, and whether every reply is the same."""
+        and as tabs: decode tok/s, what auto gains, and whether every reply is the same. Both modes run on one
+        engine, switched request by request (each prompt's pair, then each kind's tabs, in alternating order),
+        so that what the host does meanwhile falls on both alike; without the prefix cache, so that neither of a
+        pair finds the other's prompt computed."""
         s = self.settings
         params = SamplingParams(max_tokens=s.spec_tokens)
         stagger = s.stagger_ms / 1000
         kinds = {"grounded": GROUNDED_PROMPTS, "open": OPEN_PROMPTS}
-        out: dict[str, Any] = {"max_tokens": s.spec_tokens, "tabs": s.tabs, "modes": {}}
-        replies: dict[str, list[str]] = {}
-        for mode in ("off", "auto"):
-            section: dict[str, Any] = {}
-            with self.step(f"speculative · {mode}"), self.tuichat(speculate=mode) as tc:
-                for kind, prompts in kinds.items():
-                    single = [tc.run(stream_once, f"spec-{mode}-{kind}-{i}", [Message("user", p)], params)
-                              for i, p in enumerate(prompts)]
-                    conversations = [[Message("user", prompts[i % len(prompts)])] for i in range(s.tabs)]
-                    tabs, wall = tc.run(run_tabs, conversations, params, stagger, f"spec-tabs-{mode}-{kind}")
-                    section[kind] = {"single": self._single_summary(single), "tabs": summarize(tabs, wall)}
-                    replies[f"{mode}-{kind}"] = [r.text for r in single + tabs]
-                stats = tc.backend.stats(tc.name)
-            section["acceptance"] = ratio(stats.accepted_tokens, stats.draft_tokens)
-            section["tokens_per_step"] = stats.tokens_per_step
-            out["modes"][mode] = section
+        modes = ("off", "auto")
+        out: dict[str, Any] = {"max_tokens": s.spec_tokens, "tabs": s.tabs, "modes": {m: {} for m in modes}}
+        runs: dict[tuple[str, str], dict[str, list[RequestResult]]] = {}
+        with self.step("speculative · off and auto"), self.tuichat(speculate="auto", prefix_cache=False) as tc:
+
+            def run(mode: str, fn, *args):
+                tc.backend.set_speculate(tc.name, mode)
+                return tc.run(fn, *args)
+
+            for k, (kind, prompts) in enumerate(kinds.items()):
+                for mode in modes:
+                    runs[mode, kind] = {"single": [], "tabs": []}
+                for i, p in enumerate(prompts):
+                    for mode in modes if i % 2 == 0 else modes[::-1]:
+                        runs[mode, kind]["single"].append(run(mode, stream_once, f"spec-{mode}-{kind}-{i}", [Message("user", p)], params))
+                conversations = [[Message("user", prompts[i % len(prompts)])] for i in range(s.tabs)]
+                for mode in modes if k % 2 == 0 else modes[::-1]:
+                    tabs, wall = run(mode, run_tabs, conversations, params, stagger, f"spec-tabs-{mode}-{kind}")
+                    runs[mode, kind]["tabs"] = tabs
+                    out["modes"][mode][kind] = {"single": self._single_summary(runs[mode, kind]["single"]),
+                                                "tabs": summarize(tabs, wall)}
+        for mode in modes:
+            replies = [r for kind in kinds for r in runs[mode, kind]["single"] + runs[mode, kind]["tabs"]]
+            out["modes"][mode]["acceptance"] = ratio(sum(r.accepted_tokens for r in replies), sum(r.draft_tokens for r in replies))
+            out["modes"][mode]["tokens_per_step"] = ratio(sum(r.tokens for r in replies), sum(r.steps for r in replies))
         off, auto = out["modes"]["off"], out["modes"]["auto"]
         for kind in kinds:
             out[f"{kind}_single_auto_over_off"] = ratio(auto[kind]["single"]["decode_tokens_per_s"],
@@ -439,7 +451,8 @@ class _Run:
             # A tab's own decode rate (its meter's, 1000 / its TPOT, the median tab's): with tabs that arrive
             # apart and overlap little, the aggregate measures the arrivals and this what speculation gave each.
             out[f"{kind}_tab_decode_auto_over_off"] = ratio(off[kind]["tabs"]["tpot_ms_p50"], auto[kind]["tabs"]["tpot_ms_p50"])
-        out["same_replies"] = all(replies[f"auto-{kind}"] == replies[f"off-{kind}"] for kind in kinds)
+        out["same_replies"] = all([r.text for r in runs["auto", kind][part]] == [r.text for r in runs["off", kind][part]]
+                                  for kind in kinds for part in ("single", "tabs"))
         return out
 
     def close(self) -> None:

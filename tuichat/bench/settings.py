@@ -111,5 +111,5 @@ def plan(settings: BenchSettings) -> list[str]:
     if "interference" in settings.scenarios:
         steps += ["interference · idle and loaded"]
     if "speculative" in settings.scenarios:
-        steps += ["speculative · off", "speculative · auto"]
+        steps += ["speculative · off and auto"]
     return steps

@@ -44,6 +44,9 @@ class RequestResult:
     finish_reason: str | None = None
     text: str = ""
     finished: float = 0.0
+    steps: int = 0  # steps that gave this reply tokens, and its drafted and kept tokens (speculation)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def set_token_times(self, times: Sequence[float]) -> None:
         """TTFT, ITL and end-to-end from a peer's per-token timestamps (perf_counter seconds)."""

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
 
@@ -27,6 +27,7 @@ from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
 from tuichat.engine.types import EngineError, PromptTooLong, SamplingParams, ServingOptions
 
+SPECULATE_MODES = ("auto", "ngram", "off")
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
 
 
@@ -324,6 +325,21 @@ class Engine:
             self._spawn()
         self._wake.set()
 
+    def set_speculate(self, mode: str) -> None:
+        """Speculation's mode from the next step on, for the requests running too: the bench compares the modes
+        on one engine, request by request, so that what the host does meanwhile falls on both alike."""
+        if mode not in SPECULATE_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {mode!r}")
+        with self._lock:
+            self._inbox.put(("speculate", mode))
+            self._spawn()
+        self._wake.set()
+
+    def _apply_speculate(self, mode: str) -> None:
+        self.config = replace(self.config, speculate=mode)
+        for seq in self.scheduler.running:  # a draft proposed under the old mode is not verified under the new
+            seq.draft = []
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._inbox.empty()
 
@@ -349,6 +365,8 @@ class Engine:
                     self._fail(item, exc)
                     continue
                 self.scheduler.add(item)
+            elif op == "speculate":
+                self._apply_speculate(item)
             elif (seq := self._sequences.get(item)) is not None:
                 seq.cancelled = True
                 self._finish(seq, "cancelled", time.monotonic())
@@ -569,6 +587,8 @@ class Engine:
                 break
             if op == "add":
                 self._sequences[item.id] = item
+            elif op == "speculate":
+                self._apply_speculate(item)
         now = time.monotonic()
         for seq in list(self._sequences.values()):
             seq.status = Status.FINISHED  # directly: the scheduler that would drop it is what failed

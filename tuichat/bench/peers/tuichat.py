@@ -37,6 +37,7 @@ async def stream_once(backend, conversation_id: str, messages: Sequence[Message]
             result.prompt_tokens = usage.prompt_tokens
             result.cached_tokens = usage.cached_tokens
             result.finish_reason = usage.finish_reason
+            result.steps, result.draft_tokens, result.accepted_tokens = usage.steps, usage.draft_tokens, usage.accepted_tokens
     result.finished = time.perf_counter()
     result.e2e_ms = (result.finished - result.submitted) * 1000
     result.text = "".join(chunks)
