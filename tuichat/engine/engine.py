@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 
@@ -25,9 +26,9 @@ from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
-from tuichat.engine.types import EngineError, PromptTooLong, SamplingParams, ServingOptions
+from tuichat.engine.types import EngineError, PromptTooLong, SamplingParams, ServingOptions, SpeculateMode
 
-SPECULATE_MODES = ("auto", "ngram", "off")
+SPECULATE_MODES = get_args(SpeculateMode)
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
 
 
@@ -320,18 +321,19 @@ class Engine:
         return seq
 
     def cancel(self, request_id: int) -> None:
-        with self._lock:
-            self._inbox.put(("cancel", request_id))
-            self._spawn()
-        self._wake.set()
+        self._post("cancel", request_id)
 
     def set_speculate(self, mode: str) -> None:
         """Speculation's mode from the next step on, for the requests running too: the bench compares the modes
         on one engine, request by request, so that what the host does meanwhile falls on both alike."""
         if mode not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {mode!r}")
+        self._post("speculate", mode)
+
+    def _post(self, op: str, item) -> None:
+        """An operation for the engine thread, which applies it at its next step, in order with submissions."""
         with self._lock:
-            self._inbox.put(("speculate", mode))
+            self._inbox.put((op, item))
             self._spawn()
         self._wake.set()
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ProgressCallback = Callable[[str, float | None], None]  # (what is happening, fraction done or None)
+SpeculateMode = Literal["auto", "ngram", "off"]
 
 
 class EngineError(Exception):
@@ -137,4 +138,4 @@ class ServingOptions:
     # Speculative decoding from the sequence's own n-grams (speculate.py): auto proposes where it pays (a small
     # batch, a sequence whose proposals get accepted), ngram whenever a match is found, off never. Replies
     # are the same token for token either way.
-    speculate: Literal["auto", "ngram", "off"] = "auto"
+    speculate: SpeculateMode = "auto"
