@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import random
 import socket
 import stat
 import threading
@@ -120,6 +121,17 @@ def make_tiny(arch: str = "llama", seed: int = 0):
     model = model_cls(copy.deepcopy(config)).eval()
     model.load_state_dict(reference.state_dict())
     return model, reference
+
+
+def echoing_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts that repeat a phrase of their own, as chat quotes its context: tiny random models keep repeating
+    it, so drafts are proposed, and some rejected."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        phrase = [rng.randrange(320) for _ in range(rng.randrange(3, 9))]
+        prompts.append([rng.randrange(320) for _ in range(i % 4)] + phrase * rng.randrange(2, 5))
+    return prompts
 
 
 def cache_contents(cache: Path):

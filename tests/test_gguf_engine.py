@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import (LONG_PROMPTS, PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
-                      teacher_forced_error)
+from tests.helpers import (LONG_PROMPTS, PROMPTS, cache_contents, echoing_prompts, float32_continuations, greedy,
+                      replies_independent_of_batching, teacher_forced_error)
 from tests.tiny_gguf import (
     FORMATS, FORMATS_K, HEADS, HF_NAMES, HIDDEN, HIDDEN_K, INTER, INTER_K, KV_HEADS, LAYERS, OUTPUT_FORMAT,
     OUTPUT_FORMAT_K, Q4_0, Q4_1,
@@ -233,6 +233,20 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, tiny, mo
         chunked = wide.runner.execute([StepChunk(piece, start, list(range(40, 78)), start + 64 >= len(long_prompt))])
     assert torch.equal(whole, chunked)
     wide.close()
+
+
+def test_speculation_keeps_the_replies_of_the_engine_without_it(kernels, tiny):
+    """Drafts verified over the file's blocks, several rows of a sequence in one step beside the others': eight
+    replies at once are token for token those of the same engine with speculation off."""
+    prompts = echoing_prompts(8, seed=2)
+    replies = {}
+    for mode in ("off", "ngram"):
+        served = engine(tiny, max_batched_tokens=32, speculate=mode)
+        replies[mode] = greedy(served, prompts, tokens=24)
+        if mode == "ngram":
+            assert 0 < served.accepted_tokens < served.draft_tokens  # drafts both kept and cut
+        served.close()
+    assert replies["ngram"] == replies["off"]
 
 
 def test_a_linear_whose_rows_do_not_match_stays_in_bf16(kernels, tiny, tmp_path):

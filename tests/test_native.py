@@ -10,6 +10,7 @@ import pytest
 import torch
 
 
+from tests.helpers import echoing_prompts
 from tuichat.backend import SamplingParams
 from tuichat.engine import native
 from tuichat.engine.engine import Engine, EngineConfig
@@ -337,3 +338,20 @@ def test_long_rows_attend_in_parts_as_close_to_float32_as_transformers_bf16(kern
     engine.close()
     assert errors["transformers"] < 0.1 * want.std()
     assert errors["C"] <= 1.5 * errors["transformers"], errors
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-d32-g8"])
+def test_speculation_keeps_the_bf16_replies_of_the_engine_without_it(kernels, arch):
+    """Drafts verified by decoder.c, several rows of a sequence in one step beside the other sequences': eight
+    replies at once are token for token those of the same engine with speculation off."""
+    prompts = echoing_prompts(8, seed=2)
+    replies = {}
+    for mode in ("off", "ngram"):
+        model, _ = make(arch)
+        engine = Engine(model, config=EngineConfig(num_blocks=128, max_batched_tokens=32, speculate=mode))
+        assert engine.layers == "C"
+        replies[mode] = greedy(engine, prompts, tokens=24)
+        if mode == "ngram":
+            assert 0 < engine.accepted_tokens < engine.draft_tokens  # drafts both kept and cut
+        engine.close()
+    assert replies["ngram"] == replies["off"]

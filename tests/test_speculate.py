@@ -5,27 +5,14 @@ holding a rejected token is ever published."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.helpers import hf_greedy, make_tiny
+from tests.helpers import echoing_prompts, hf_greedy, make_tiny
 from tuichat.backend import SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.kv_cache import block_digest
 from tuichat.engine.request import Status
 from tuichat.engine.speculate import MAX_DRAFT, PRIOR_ROW_SHARE, NgramProposer, StepCost, draft_length
-
-
-def echoing_prompts(count: int, seed: int = 3) -> list[list[int]]:
-    """Prompts that repeat a phrase of their own, as chat quotes its context: tiny random models keep repeating
-    it, so drafts are proposed, and some rejected."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        phrase = [rng.randrange(320) for _ in range(rng.randrange(3, 9))]
-        prompts.append([rng.randrange(320) for _ in range(i % 4)] + phrase * rng.randrange(2, 5))
-    return prompts
 
 
 def engine(mode: str = "ngram", sharpen: float = 1.0, **config) -> tuple[Engine, object]:
