@@ -7,14 +7,59 @@ and the token after it), built here from tokens already in the cache. For each L
 median time and its ratio to the one-token step: the tokens a row must gain from each step for drafts of
 that length to pay. `best` is what speculation could give at that length if every drafted token were kept
 (L ÷ the ratio): where it is under 1, no draft of that length pays even when it is always right, and auto
-(engine.py `_propose`) should not draft.
+(engine.py `_propose`) should not draft. `GMAC/s` is the step's multiply-adds (each token through every
+linear) per second; with `--peak` the script also times a loop of nothing but AVX-512 VNNI dot products on
+every core, the most int8 multiply-adds this CPU does: where the step's rate reaches it, no kernel makes
+those rows cheaper.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import tempfile
 import time
+
+# 24 independent accumulators per thread: enough to hide the instruction's latency.
+PEAK_LOOP = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+int main(void) {
+    const long iterations = 20000000;
+    double started = omp_get_wtime();
+    int threads = 1, sink = 0;
+    #pragma omp parallel reduction(+ : sink)
+    {
+        __m512i acc[24], u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(5);
+        for (int i = 0; i < 24; i++) acc[i] = _mm512_set1_epi32(i);
+        for (long n = 0; n < iterations; n++) {
+            for (int i = 0; i < 24; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], u, s);
+            __asm__ volatile("" : "+v"(u));
+        }
+        for (int i = 0; i < 24; i++) sink += _mm512_reduce_add_epi32(acc[i]);
+        #pragma omp single
+        threads = omp_get_num_threads();
+    }
+    printf("%f %d\n", iterations * 24.0 * 64 * threads / (omp_get_wtime() - started) / 1e9, sink & 1);
+    return 0;
+}
+"""
+
+
+def vnni_peak() -> str:
+    """GMAC/s of the loop above on every core, or why it could not run."""
+    with tempfile.TemporaryDirectory() as folder:
+        source, binary = os.path.join(folder, "peak.c"), os.path.join(folder, "peak")
+        with open(source, "w") as f:
+            f.write(PEAK_LOOP)
+        built = subprocess.run(["cc", "-O2", "-march=native", "-fopenmp", source, "-o", binary],
+                               capture_output=True, text=True)
+        if built.returncode:
+            return "not built (needs cc and AVX-512 VNNI): " + built.stderr.strip().splitlines()[-1]
+        return f"{float(subprocess.run([binary], capture_output=True, text=True, check=True).stdout.split()[0]):.0f}"
 
 
 def main() -> None:
@@ -25,7 +70,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--lengths", default="1,2,3,4,6,8")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--peak", action="store_true", help="also time the CPU's own int8 dot-product rate")
     args = parser.parse_args()
+
+    import torch
 
     from tuichat import catalog
     from tuichat.backend import SamplingParams
@@ -36,6 +84,7 @@ def main() -> None:
     resolved = catalog.resolve(args.model)
     device = loader.resolve_device("auto")
     weights, tokenizer = loader.load(resolved, device, loader.resolve_dtype(args.dtype, device, loader.family(resolved)))
+    macs = sum(m.in_features * m.out_features for m in weights.modules() if isinstance(m, torch.nn.Linear))
     engine = Engine(weights, tokenizer, EngineConfig(quant=args.quant, speculate="off"), name=resolved.name,
                     source=resolved)
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -61,11 +110,13 @@ def main() -> None:
             ms = statistics.median(times[5:]) * 1e3
             one = one or ms
             print(f"rows {rows}  tokens a row {length}  step {ms:6.2f} ms  ÷ one-token step {ms / one:4.2f}  "
-                  f"best {length / (ms / one):4.2f}×")
+                  f"best {length / (ms / one):4.2f}×  {rows * length * macs / ms / 1e6:5.0f} GMAC/s")
         for seq in seqs:
             engine.cancel(seq.id)
         engine.step()
     engine.close()
+    if args.peak:
+        print(f"VNNI dot products alone, every core: {vnni_peak()} GMAC/s")
 
 
 if __name__ == "__main__":
