@@ -1,13 +1,15 @@
 """What a decode step costs bare and as the product runs it, for batch 1 and 8.
 
     python scripts/step_cost.py [--model smollm2-135m] [--dtype auto] [--quant auto] [--steps 60] [--repeat 3]
+                                [--sampled]
 
 Three ways, each the median ITL over `--steps` decode steps:
 - bare: Engine.step() called in a loop on the main thread, which loaded the model (the engine's own cost);
 - thread: loaded on a thread that then ends, served by the engine thread, requests with plain callbacks;
 - product: LocalBackend.stream consumed by an asyncio loop on the main thread, as `tuichat ask` and the TUI
   run it (adds the event loop, the GIL between the two threads, the per-token events).
-Speculation is off in every way: a step is one token per sequence. The grid runs --repeat times, interleaved,
+Speculation is off in every way: a step is one token per sequence. Greedy, or with --sampled the chat's
+default sampling (backend.CHAT_SAMPLING, what the TUI and `ask` use unless told otherwise), seeded. The grid runs --repeat times, interleaved,
 and each cell is the median over the repeats: a shared machine drifts by more than the gaps measured. Each way
 and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
 policy once, at start, and keeps a thread pool for every live thread that ran a parallel region.
@@ -27,10 +29,10 @@ import time
 PROMPT = "Write a long story about a cat who learns to fly."
 
 
-def measure(way: str, model: str, dtype: str, quant: str, steps: int) -> dict:
+def measure(way: str, model: str, dtype: str, quant: str, steps: int, sampled: bool) -> dict:
     import asyncio
 
-    from tuichat.backend import EngineOptions, Message, SamplingParams
+    from tuichat.backend import CHAT_SAMPLING, EngineOptions, Message, SamplingParams
     from tuichat.local import LocalBackend
 
     from tuichat import catalog
@@ -38,7 +40,7 @@ def measure(way: str, model: str, dtype: str, quant: str, steps: int) -> dict:
     from tuichat.engine.engine import Engine, EngineConfig
 
     resolved = catalog.resolve(model)
-    params = SamplingParams(max_tokens=steps + 4)
+    params = SamplingParams(max_tokens=steps + 4, **(dict(CHAT_SAMPLING, seed=1) if sampled else {}))
     out = {}
 
     def fresh() -> Engine:
@@ -120,10 +122,11 @@ def main() -> None:
     parser.add_argument("--quant", default="auto")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--sampled", action="store_true", help="the chat's default sampling, not greedy")
     parser.add_argument("--child", choices=["bare", "thread", "product"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.model, args.dtype, args.quant, args.steps)))
+        print(json.dumps(measure(args.child, args.model, args.dtype, args.quant, args.steps, args.sampled)))
         return
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
@@ -134,7 +137,8 @@ def main() -> None:
             row = {}
             for way in ("bare", "thread", "product"):  # each in a fresh process: no pool left from another way
                 result = subprocess.run([sys.executable, __file__, "--child", way, "--model", args.model, "--dtype",
-                                         args.dtype, "--quant", args.quant, "--steps", str(args.steps)], env=env,
+                                         args.dtype, "--quant", args.quant, "--steps", str(args.steps),
+                                         *(["--sampled"] if args.sampled else [])], env=env,
                                         capture_output=True, text=True)
                 if result.returncode != 0:
                     sys.exit(result.stderr)
@@ -144,8 +148,8 @@ def main() -> None:
                       for k in repeats[0]}) for policy, repeats in runs.items()]
     first = rows[0][1]
     columns = [k for k in first if k not in ("weights", "layers")]
-    print(f"{args.model} · {first['weights']} weights · layers {first['layers']} · median ms per decode step "
-          f"(median of {args.repeat} runs)")
+    print(f"{args.model} · {first['weights']} weights · layers {first['layers']} · "
+          f"{'sampled' if args.sampled else 'greedy'} · median ms per decode step (median of {args.repeat} runs)")
     print(f"{'OMP_WAIT_POLICY':<16}" + "".join(f"{k:>12}" for k in columns))
     for policy, row in rows:
         print(f"{policy:<16}" + "".join(f"{row[k]:>12.1f}" for k in columns))

@@ -39,16 +39,14 @@ def permissive_umask():
     os.umask(old)
 
 
-@pytest.fixture(scope="module", params=list(CPU_BUILDS))
-def kernels(request, session_cache):
-    """Every test runs on this CPU's build and on the others of CPU_BUILDS that it can run."""
+def _kernels_built_for(build: str, session_cache):
     from tuichat.engine import cpu_kernel
 
-    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
-        pytest.skip(f"this CPU cannot run a {request.param} build")
+    if not CPU_BUILDS[build] <= cpu_kernel.cpu_flags():
+        pytest.skip(f"this CPU cannot run a {build} build")
     patch = pytest.MonkeyPatch()
     patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
-    patch.setenv("TUICHAT_CPU_ARCH", request.param)
+    patch.setenv("TUICHAT_CPU_ARCH", build)
     cpu_kernel.load.cache_clear()
     kernel, why = cpu_kernel.load()
     if kernel is None:
@@ -56,6 +54,21 @@ def kernels(request, session_cache):
     yield kernel
     patch.undo()
     cpu_kernel.load.cache_clear()
+
+
+@pytest.fixture(scope="module", params=list(CPU_BUILDS))
+def kernels(request, session_cache):
+    """Every test runs on this CPU's build and on the others of CPU_BUILDS that it can run."""
+    yield from _kernels_built_for(request.param, session_cache)
+
+
+@pytest.fixture(scope="module", params=["numpy", *CPU_BUILDS])
+def draw_kernels(request, session_cache):
+    """What draws a sampled row: None, sampler.py's numpy path (no kernels), or each build's sample_row."""
+    if request.param == "numpy":
+        yield None
+    else:
+        yield from _kernels_built_for(request.param, session_cache)
 
 
 @pytest.fixture(scope="session")

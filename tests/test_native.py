@@ -343,15 +343,21 @@ def test_long_rows_attend_in_parts_as_close_to_float32_as_transformers_bf16(kern
 @pytest.mark.parametrize("arch", ["llama", "qwen2-d32-g8"])
 def test_speculation_keeps_the_bf16_replies_of_the_engine_without_it(kernels, arch):
     """Drafts verified by decoder.c, several rows of a sequence in one step beside the other sequences': eight
-    replies at once are token for token those of the same engine with speculation off."""
+    replies at once are token for token those of the same engine with speculation off, greedy and seeded
+    sampling alike (its rows drawn by sampler.c, each draw keyed by its position)."""
     prompts = echoing_prompts(8, seed=2)
+    sampled = SamplingParams(max_tokens=24, temperature=0.3, top_p=0.9, frequency_penalty=0.1, seed=5)
     replies = {}
     for mode in ("off", "ngram"):
         model, _ = make(arch)
         engine = Engine(model, config=EngineConfig(num_blocks=128, max_batched_tokens=32, speculate=mode))
-        assert engine.layers == "C"
+        assert engine.layers == "C" and engine._draw_kernels is not None
         replies[mode] = greedy(engine, prompts, tokens=24)
         if mode == "ngram":
             assert 0 < engine.accepted_tokens < engine.draft_tokens  # drafts both kept and cut
+        accepted = engine.accepted_tokens
+        replies[mode, "sampled"] = [s.completion_ids for s in engine.generate(prompts, sampled)]
+        assert (engine.accepted_tokens > accepted) is (mode == "ngram")
         engine.close()
     assert replies["ngram"] == replies["off"]
+    assert replies["ngram", "sampled"] == replies["off", "sampled"] != [r[:24] for r in replies["off"]]

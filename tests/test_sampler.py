@@ -30,21 +30,21 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-def test_draws_follow_the_distribution_transformers_samples_from(params):
+def test_draws_follow_the_distribution_transformers_samples_from(params, draw_kernels):
     logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2
     want = reference_probs(logits, params)
     noise = Noise(seed=7)
     draws = 4000
     counts = np.zeros(logits.shape[0])
     for position in range(draws):
-        counts[sample(logits[None], [params], [noise], [position])[0]] += 1
+        counts[sample(logits[None], [params], [noise], [position], kernels=draw_kernels)[0]] += 1
     assert set(np.flatnonzero(counts)) <= set(torch.nonzero(want).flatten().tolist())  # never a filtered token
     total_variation = 0.5 * np.abs(counts / draws - want.numpy()).sum()
     assert total_variation < 0.05
 
 
 @pytest.mark.parametrize("temperature", [0.05, 0.2, 0.7, 1.5, 4.0])
-def test_on_a_real_vocabulary_the_kept_tokens_are_exactly_top_ps(temperature):
+def test_on_a_real_vocabulary_the_kept_tokens_are_exactly_top_ps(temperature, draw_kernels):
     """A vocabulary of SmolLM2's size, from a nucleus of a few tokens (the floors' fast path) to one of
     thousands (the full sort): the candidates the sampler can draw are transformers' set, no more, no less."""
     params = SamplingParams(temperature=temperature, top_p=0.9)
@@ -56,7 +56,7 @@ def test_on_a_real_vocabulary_the_kept_tokens_are_exactly_top_ps(temperature):
         ends = [Noise(0), Noise(0)]
         ends[0].uniform = lambda position: 0.0
         ends[1].uniform = lambda position: 1.0 - 2.0**-53
-        low, high = sample(logits[None].repeat(2, 1), [params] * 2, ends, [0, 0])
+        low, high = sample(logits[None].repeat(2, 1), [params] * 2, ends, [0, 0], kernels=draw_kernels)
         kept = torch.tensor(sorted(want))
         probs = reference_probs(logits, params)[kept]
         assert low == int(kept[probs.argmax()])
@@ -73,3 +73,23 @@ def test_a_seed_and_a_position_always_give_the_same_token_and_another_seed_diffe
     others = [sample(logits, params, [Noise(seed)] * 3, [10, 11, 12]) for seed in range(6, 12)]
     assert first == again
     assert any(o != first for o in others)
+
+
+def test_penalized_draws_follow_openais_penalties_then_transformers_warpers(draw_kernels):
+    """frequency_penalty times a token's count in the reply so far plus presence_penalty once, off its logit
+    (OpenAI's definition, counted here independently), then temperature and top_p."""
+    from collections import Counter
+
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(4)) * 2
+    reply = [int(logits.argmax())] * 3 + [5, 5, 17, 39]
+    params = SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.6, presence_penalty=0.3)
+    penalized = logits.clone()
+    for token, count in Counter(reply).items():
+        penalized[token] -= params.frequency_penalty * count + params.presence_penalty
+    want = reference_probs(penalized, params)
+    noise, draws = Noise(seed=9), 4000
+    counts = np.zeros(logits.shape[0])
+    for position in range(draws):
+        counts[sample(logits[None], [params], [noise], [position], [reply], kernels=draw_kernels)[0]] += 1
+    assert set(np.flatnonzero(counts)) <= set(torch.nonzero(want).flatten().tolist())
+    assert 0.5 * np.abs(counts / draws - want.numpy()).sum() < 0.05

@@ -23,12 +23,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tuichat.engine.storage import cache_dir
 
 MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
-_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "vector_linear.c", "decoder.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "vector_linear.c", "decoder.c", "sampler.c")]
 _HEADERS = [Path(__file__).with_name("kernels.h")]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp"]
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -60,6 +61,10 @@ class CpuKernels:
         library.pack_layout.argtypes = [ctypes.c_int, ctypes.c_int]
         library.pack_blocks.restype = ctypes.c_int
         library.pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self._draw = library.sample_row
+        self._draw.restype = ctypes.c_int
+        self._draw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_float] * 4 + [
+            ctypes.c_int, ctypes.c_double]
         self._any = library.any_linear
         self._any.restype = ctypes.c_int
         self._any.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [
@@ -93,6 +98,17 @@ class CpuKernels:
         if self.library.pack_blocks(blocks.ctypes.data, format, blocks.shape[0], in_features, out.data_ptr()) != 0:
             raise ValueError(f"the CPU kernels do not take format {format} with {in_features} inputs")
         return out
+
+    def draw(self, row, params, u: float, reply: list[int] | None = None) -> int:
+        """The token sampler.py's numpy path draws from `row` (a float32 numpy row of logits) with `params`
+        and uniform `u`; `reply`: the reply's token ids so far, for params' penalties."""
+        row = np.ascontiguousarray(row, dtype=np.float32)
+        ids = np.asarray(reply if reply is not None else [], dtype=np.int64)
+        token = self._draw(row.ctypes.data, row.shape[0], ids.ctypes.data, len(ids), params.frequency_penalty,
+                           params.presence_penalty, params.temperature, params.top_p, params.top_k, u)
+        if token < 0:
+            raise MemoryError("sample_row could not allocate its scratch")
+        return token
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] with at most MAX_ROWS rows times a quant.PackedWeight (bf16 or GGUF blocks): bf16 in, bf16

@@ -176,6 +176,7 @@ class Engine:
         kernel = None
         if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
             kernel, self.matmul = cpu_kernel.load()
+        self._draw_kernels = kernel  # sampled rows drawn in C (sampler.c) where the kernels are built
         packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
         decoder = None
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
@@ -502,7 +503,7 @@ class Engine:
         others their tokens."""
         def run(rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[int]:
             return sample(logits, [s.params for s, _ in rows], [s.generator for s, _ in rows],
-                          [len(s) + len(before) for s, before in rows], self._replies(rows))
+                          [len(s) + len(before) for s, before in rows], self._replies(rows), self._draw_kernels)
 
         rows = self._rows(chunks)
         try:

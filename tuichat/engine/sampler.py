@@ -115,9 +115,10 @@ def _draw(row: np.ndarray, params: SamplingParams, u: float) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], noises: list[Noise | None], positions: list[int],
-           replies: list[list[int]] | None = None) -> list[int]:
+           replies: list[list[int]] | None = None, kernels=None) -> list[int]:
     """logits: [N, vocab] float32; positions: where each row's token goes in its sequence; replies: each row's
-    generated ids before it (for the penalties). Returns one token id per row."""
+    generated ids before it (for the penalties). `kernels` (cpu_kernel.CpuKernels): draw a row on the CPU with
+    their sample_row (sampler.c), the same draw in fewer passes. Returns one token id per row."""
     replies = replies or [None] * len(params)
     penalized = [_has_penalty(p, r) for p, r in zip(params, replies)]
     plain = [p.temperature <= 0 and not pen for p, pen in zip(params, penalized)]
@@ -130,6 +131,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], noises: list[Nois
         rows = dict(zip(rest, logits[rest].float().cpu().numpy())) if rest else {}
     for i, (p, noise, reply) in enumerate(zip(params, noises, replies)):
         if plain[i]:
+            continue
+        if p.temperature > 0 and kernels is not None:
+            chosen[i] = kernels.draw(rows[i], p, noise.uniform(positions[i]), reply if penalized[i] else None)
             continue
         row = penalize(rows[i], p, reply) if penalized[i] else rows[i]
         chosen[i] = int(row.argmax()) if p.temperature <= 0 else _draw(row, p, noise.uniform(positions[i]))
