@@ -9,10 +9,11 @@ Three ways, each the median ITL over `--steps` decode steps:
 - product: LocalBackend.stream consumed by an asyncio loop on the main thread, as `tuichat ask` and the TUI
   run it (adds the event loop, the GIL between the two threads, the per-token events).
 Speculation is off in every way: a step is one token per sequence. Greedy, or with --sampled the chat's
-default sampling (backend.CHAT_SAMPLING, what the TUI and `ask` use unless told otherwise), seeded. The grid runs --repeat times, interleaved,
-and each cell is the median over the repeats: a shared machine drifts by more than the gaps measured. Each way
-and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh process: libgomp reads the
-policy once, at start, and keeps a thread pool for every live thread that ran a parallel region.
+default sampling (backend.CHAT_SAMPLING, what the TUI and `ask` use unless told otherwise), seeded. The grid
+runs --repeat times, interleaved, and each cell is the median over the repeats: a shared machine drifts by
+more than the gaps measured. Each way and each OpenMP wait policy (unset, ACTIVE, PASSIVE) runs in a fresh
+process: libgomp reads the policy once, at start, and keeps a thread pool for every live thread that ran a
+parallel region.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ static int likelier(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-#define BLOCK 1024 /* weights summed in float per block, the blocks in double: accurate, and vectorized */
+#define BLOCK 1024 /* sampler.py's _BLOCK: weights summed in float per block, the blocks in double */
 
 /* The calling thread's scratch, grown as needed: no allocation per token. */
 static __thread struct {
@@ -115,7 +115,7 @@ int sample_row(const float *logits, int n, const int64_t *reply, int replied, fl
     }
     /* Candidates: the tokens at or above a floor (relative to the likeliest, 1), which come first in any
      * descending order; once they are top_k many, or hold top_p of the mass, the answer is among them. */
-    static const float floors[] = {1e-3f, 1e-6f, 1e-9f, 0.0f};
+    static const float floors[] = {1e-3f, 1e-6f, 1e-9f, 0.0f}; /* sampler.py's _FLOORS, then every token */
     candidate *kept = scratch.candidates;
     int size = 0;
     for (int f = 0; f < 4; f++) {
