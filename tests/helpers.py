@@ -36,6 +36,28 @@ def wait_until(condition, what: str = "condition", *, timeout: float = 30.0) -> 
         time.sleep(0.05)
 
 
+def stepping(engine, done, what: str, *, limit: int = 1000):
+    """Step `engine` on this thread until `done()`, yielding after each step; fail naming `what` after `limit`
+    steps: a count, not a time, so an engine that stops making progress fails by name however slow the machine."""
+    for _ in range(limit):
+        if done():
+            return
+        engine.step()
+        yield
+    assert done(), f"{what}: not done after {limit} engine steps"
+
+
+def step_until(engine, done, what: str, *, limit: int = 1000) -> None:
+    for _ in stepping(engine, done, what, limit=limit):
+        pass
+
+
+def finished(seqs) -> bool:
+    from tuichat.engine.request import Status
+
+    return all(s.status is Status.FINISHED for s in seqs)
+
+
 SERVE_KEY = "sk-tuichat-test"  # the API key of conftest's `tuichat serve`
 
 
@@ -196,7 +218,6 @@ def replies_independent_of_batching(make_engine) -> tuple[list[list[int]], list[
     budget sharing steps with other prompts' decodes, or from the prefix cache. Returns (the prompts, their
     replies alone); the fourth prompt is 600 tokens long."""
     from tuichat.backend import SamplingParams
-    from tuichat.engine.request import Status
 
     long_prompt = [(11 * i) % 300 + 7 for i in range(600)]
     prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2], long_prompt]
@@ -209,10 +230,7 @@ def replies_independent_of_batching(make_engine) -> tuple[list[list[int]], list[
     seqs = [busy.submit(prompts[0], params)]
     busy.step()
     seqs += [busy.submit(p, params) for p in prompts[1:3]]
-    batch_sizes = []
-    while any(s.status is not Status.FINISHED for s in seqs):
-        busy.step()
-        batch_sizes.append(busy.last_batch_size)
+    batch_sizes = [busy.last_batch_size for _ in stepping(busy, lambda: finished(seqs), "the replies")]
     assert max(batch_sizes) == 3
     assert [s.token_ids[len(p):] for s, p in zip(seqs, prompts)] == expected[:3]
     # The third prompt is a prefix of the first: served from the prefix cache, its reply is the same.

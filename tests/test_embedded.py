@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tests.helpers import hf_greedy, template_ids
+from tests.helpers import hf_greedy, step_until, template_ids
 from tuichat.backend import EngineOptions, Message, SamplingParams
 from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher, _backend_decode
@@ -44,8 +44,7 @@ def test_greedy_chat_reply_matches_generate_and_streams_the_same_text(embedded):
     prompt = chat_ids(tokenizer, QUESTION)
     pieces = []
     seq = engine.submit(prompt, SamplingParams(max_tokens=40), lambda out: pieces.append(out.text))
-    while seq.finish_reason is None:
-        engine.step()
+    step_until(engine, lambda: seq.finish_reason is not None, "the reply")
     expected = hf_greedy(reference, prompt, 40, eos_token_id=tokenizer.eos_token_id)
     assert seq.completion_ids == expected
     assert "".join(pieces) == tokenizer.decode(expected, skip_special_tokens=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
-from tests.helpers import hf_greedy, make_tiny
+from tests.helpers import finished, hf_greedy, make_tiny, step_until, stepping
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status
@@ -47,10 +48,7 @@ def test_requests_joining_at_different_steps_match_generate():
         seqs.append(engine.submit(prompt, GREEDY))
         engine.step()
         engine.step()
-    batch_sizes = []
-    while any(s.status is not Status.FINISHED for s in seqs):
-        engine.step()
-        batch_sizes.append(engine.last_batch_size)
+    batch_sizes = [engine.last_batch_size for _ in stepping(engine, lambda: finished(seqs), "the replies")]
     assert max(batch_sizes) >= 4  # they really shared steps
     for prompt, seq in zip(prompts, seqs):
         assert seq.completion_ids == hf_greedy(reference, prompt, 12)
@@ -70,8 +68,7 @@ def test_chunked_prefill_matches_and_lets_decodes_run():
         engine.step()
     assert len(first.token_ids) == tokens_before + 5
     assert 0 < second.num_computed < len(long)
-    while second.status is not Status.FINISHED or first.status is not Status.FINISHED:
-        engine.step()
+    step_until(engine, lambda: finished([first, second]), "both replies")
     assert second.completion_ids == hf_greedy(reference, long, 12)
     assert first.completion_ids == hf_greedy(reference, short, 30)
 
@@ -187,7 +184,7 @@ def test_seed_gives_the_same_sample_whatever_shares_the_batch():
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=15)
     alone = engine.generate([prompt], params)[0].completion_ids
     crowded = engine.generate([prompt] + prompts_of([5, 30], seed=10), params)[0].completion_ids
-    other_seed = engine.generate([prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=15))[0]
+    other_seed = engine.generate([prompt], replace(params, seed=99))[0]
     assert alone == crowded
     assert other_seed.completion_ids != alone
 
@@ -208,10 +205,7 @@ def test_static_and_off_batching_give_the_same_text(mode):
     seqs = [engine.submit(p, GREEDY) for p in prompts[:2]]
     engine.step()
     seqs.append(engine.submit(prompts[2], GREEDY))
-    running_counts = []
-    while any(s.status is not Status.FINISHED for s in seqs):
-        engine.step()
-        running_counts.append(len(engine.scheduler.running))
+    running_counts = [len(engine.scheduler.running) for _ in stepping(engine, lambda: finished(seqs), "the replies")]
     if mode == "off":
         assert max(running_counts) == 1
     else:  # the late request waits for the first batch to finish: nobody joins a static batch
@@ -328,8 +322,7 @@ def test_presence_and_frequency_penalties_are_openais_whatever_shares_the_batch(
     prompt, other = prompts_of([9, 14])
     penalized = SamplingParams(max_tokens=20, presence_penalty=presence, frequency_penalty=frequency)
     seqs = [engine.submit(prompt, penalized), engine.submit(other, SamplingParams(max_tokens=20))]
-    while any(s.status is not Status.FINISHED for s in seqs):
-        engine.step()
+    for _ in stepping(engine, lambda: finished(seqs), "both replies"):
         assert engine.last_batch_size == 2 or any(s.status is Status.FINISHED for s in seqs)
     reply = seqs[0].completion_ids
     with torch.inference_mode():

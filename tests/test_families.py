@@ -15,11 +15,10 @@ import random
 import pytest
 import torch
 
-from tests.helpers import hf_greedy
+from tests.helpers import finished, hf_greedy, step_until, stepping
 from tuichat.backend import BackendError, SamplingParams
 from tuichat.engine import families
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.engine.request import Status
 
 WINDOW = 24  # every family with sliding windows gets this one: shorter than most prompts below
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -104,10 +103,7 @@ def test_greedy_output_is_transformers_generate(family, scenario):
             seqs.append(engine.submit(prompt, SamplingParams(max_tokens=12)))
             engine.step()
             engine.step()
-        sizes = []
-        while any(s.status is not Status.FINISHED for s in seqs):
-            engine.step()
-            sizes.append(engine.last_batch_size)
+        sizes = [engine.last_batch_size for _ in stepping(engine, lambda: finished(seqs), "the replies")]
         assert max(sizes) >= 3
         for prompt, seq in zip(prompts, seqs):
             check(family, engine, prompt, seq, 12)
@@ -119,8 +115,7 @@ def test_greedy_output_is_transformers_generate(family, scenario):
         second = engine.submit(long, SamplingParams(max_tokens=12))
         engine.step()
         assert 0 < second.num_computed < len(long)  # the long prompt goes in chunks of at most 6 beside a decode
-        while any(s.status is not Status.FINISHED for s in (first, second)):
-            engine.step()
+        step_until(engine, lambda: finished([first, second]), "both replies")
         check(family, engine, short, first, 20)
         check(family, engine, long, second, 12)
     elif scenario == "second_turn":

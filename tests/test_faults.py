@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import hf_greedy, make_tiny
+from tests.helpers import hf_greedy, make_tiny, step_until
 from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
 from tuichat.engine import engine as engine_module
 from tuichat.engine.engine import Engine, EngineConfig
@@ -217,9 +217,14 @@ def test_close_during_a_step_leaves_the_step_alone_and_ends_its_requests(monkeyp
     stream = Stream()
     engine.submit(prompts(1)[0], SamplingParams(max_tokens=50), stream)
     assert in_step.wait(WAIT_S)
+    # Once close() joins the engine thread it has done all it does before the step ends: by then it must not
+    # have touched the scheduler.
+    thread, joining = engine._thread, threading.Event()
+    join = thread.join
+    thread.join = lambda timeout=None: (joining.set(), join(timeout))
     closer = threading.Thread(target=engine.close)
     closer.start()
-    time.sleep(0.1)  # close() is waiting for the step; it must not have touched the scheduler meanwhile
+    assert joining.wait(WAIT_S), "close() never waited for the engine thread"
     assert not stream.done.is_set() and engine.scheduler.running
     release.set()
     closer.join(WAIT_S)
@@ -249,16 +254,11 @@ def test_a_request_that_does_not_fit_lets_smaller_ones_pass_but_not_for_ever():
     assert big.num_cached_tokens is None  # still waiting
     admitted = [s for s in small if s.num_cached_tokens is not None]
     assert admitted, "the small requests waited behind the big one"
-    steps = 0
-    while big.num_cached_tokens is None:
-        engine.step()
-        steps += 1
-        assert steps < 200
+    step_until(engine, lambda: big.num_cached_tokens is not None, "the big request admitted", limit=200)
     # Passed at most MAX_OVERTAKES times, the big one went before every request behind it still waiting.
     ahead = sum(s.first_scheduled is not None and s.first_scheduled < big.first_scheduled for s in small)
     assert 1 <= ahead <= MAX_OVERTAKES and len(small) - ahead >= 4
-    while engine.has_work():
-        engine.step()
+    step_until(engine, lambda: not engine.has_work(), "every reply")
     assert big.completion_ids == hf_greedy(reference, prompts(2, 70)[1], 4)
     assert first.completion_ids == hf_greedy(reference, prompts(1, 60)[0], 40)
 

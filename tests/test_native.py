@@ -10,11 +10,10 @@ import pytest
 import torch
 
 
-from tests.helpers import echoing_prompts
+from tests.helpers import echoing_prompts, finished, step_until, stepping
 from tuichat.backend import SamplingParams
 from tuichat.engine import native
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.engine.request import Status
 from tuichat.engine.runner import StepChunk
 
 # head_dim 32 (decoder.c needs a multiple of 32); weights larger than the default init, so that attention is
@@ -131,16 +130,12 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, arch):
     seqs = [busy.submit(prompts[0], SamplingParams(max_tokens=12, temperature=0.0))]
     busy.step()
     seqs += [busy.submit(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts[1:]]
-    batch_sizes = []
-    while any(s.status is not Status.FINISHED for s in seqs):
-        busy.step()
-        batch_sizes.append(busy.last_batch_size)
+    batch_sizes = [busy.last_batch_size for _ in stepping(busy, lambda: finished(seqs), "the replies")]
     assert max(batch_sizes) == 3
     assert [s.token_ids[len(p):] for s, p in zip(seqs, prompts)] == expected
     # The third prompt is a prefix of the first: served from the cache now, the reply is still the same.
     cached = busy.submit(prompts[2], SamplingParams(max_tokens=12, temperature=0.0))
-    while cached.status is not Status.FINISHED:
-        busy.step()
+    step_until(busy, lambda: finished([cached]), "the cached reply")
     assert cached.num_cached_tokens > 0
     assert cached.token_ids[len(prompts[2]):] == expected[2]
     busy.close()

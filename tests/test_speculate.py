@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import echoing_prompts, hf_greedy, make_tiny
+from tests.helpers import echoing_prompts, finished, hf_greedy, make_tiny, step_until
 from tuichat.backend import SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.kv_cache import block_digest
@@ -32,8 +32,7 @@ def drive(engine: Engine, prompts, params, stagger: int = 0) -> list:
         seqs.append(engine.submit(prompt, params))
         for _ in range(stagger):
             engine.step()
-    while any(s.status is not Status.FINISHED for s in seqs):
-        engine.step()
+    step_until(engine, lambda: finished(seqs), "every reply")
     return seqs
 
 
@@ -171,8 +170,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_reply_exactly_there(embed
     def reply(mode: str, stop: tuple[str, ...] = ()) -> str:
         eng, texts = engines[mode], []
         seq = eng.submit(prompt, SamplingParams(max_tokens=32, stop=stop), lambda out: texts.append(out.text))
-        while seq.status is not Status.FINISHED:
-            eng.step()
+        step_until(eng, lambda: finished([seq]), f"the {mode} reply")
         return "".join(texts)
 
     whole = reply("off")
@@ -188,8 +186,7 @@ def test_cancel_mid_speculation_frees_every_block():
     spec, _ = engine()
     prompt = echoing_prompts(1, seed=9)[0]
     seq = spec.submit(prompt, SamplingParams(max_tokens=200))
-    while spec.accepted_tokens == 0:
-        spec.step()
+    step_until(spec, lambda: spec.accepted_tokens > 0, "a draft accepted", limit=100)
     spec.cancel(seq.id)
     spec.step()
     assert seq.status is Status.FINISHED and seq.finish_reason == "cancelled"
@@ -223,17 +220,14 @@ def test_switching_the_mode_mid_reply_keeps_generates_reply_and_off_drafts_nothi
     spec, reference = engine("ngram")
     prompt = echoing_prompts(1, seed=9)[0]
     seq = spec.submit(prompt, SamplingParams(max_tokens=60))
-    while spec.accepted_tokens == 0:
-        spec.step()
+    step_until(spec, lambda: spec.accepted_tokens > 0, "a draft accepted", limit=60)
     spec.set_speculate("off")
     spec.step()
     drafted = spec.draft_tokens
-    while seq.status is not Status.FINISHED and seq.num_completion_tokens < 40:
-        spec.step()
+    step_until(spec, lambda: finished([seq]) or seq.num_completion_tokens >= 40, "40 tokens")
     assert spec.draft_tokens == drafted and spec.config.speculate == "off"
     spec.set_speculate("ngram")
-    while seq.status is not Status.FINISHED:
-        spec.step()
+    step_until(spec, lambda: finished([seq]), "the reply")
     assert spec.draft_tokens > drafted
     assert seq.completion_ids == hf_greedy(reference, prompt, 60)
     with pytest.raises(ValueError, match="speculate must be one of auto, ngram, off"):
