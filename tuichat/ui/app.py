@@ -8,18 +8,19 @@ message sent early waits for the load, with the meter counting.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import os
 import re
 import signal
 import sys
 import time
+import weakref
 from functools import partial
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
-from textual import work
+from textual import events, work
 from textual.app import App, SystemCommand
+from textual.driver import Driver
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import ModalScreen, Screen
@@ -129,6 +130,10 @@ class TuichatApp(App[None]):
         self.locks = ConversationLocks(store.path.parent / "locks")
         self._locks_failed = False
         self._backend_factory = backend_factory
+        # Input the app took from the terminal and handed on, kept until done with (weakly), so that ending on a
+        # signal can void what is still queued; and whether it is ending so.
+        self._input_in_flight: weakref.WeakSet[events.Event] = weakref.WeakSet()
+        self._ending = False
         self._warnings = list(warnings)
         self.backend: Backend | None = None
         self._backend_ready = asyncio.Event()
@@ -213,15 +218,46 @@ class TuichatApp(App[None]):
         self._create_backend()
         self.active_tab.prompt.focus()
         if not self.is_headless:  # a real terminal (tests keep the test runner's own signal handling)
+            # Python's own handler, not the event loop's: it runs between two bytecodes of the main thread, so
+            # also while the loop is held up (a widget handles its whole queue in one turn of the loop).
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGHUP):
-                loop.add_signal_handler(signum, self._quit_on_signal, signum)
+                signal.signal(signum, lambda signum, _frame: self._quit_on_signal(loop, signum))
 
-    def _quit_on_signal(self, signum: int) -> None:
+    def get_driver_class(self) -> type[Driver]:
+        driver = super().get_driver_class()
+        if os.name == "posix":
+            from textual.drivers.linux_driver import LinuxDriver
+
+            from tuichat.ui.terminal import TerminalDriver
+
+            if driver is LinuxDriver:  # not one TEXTUAL_DRIVER names
+                return TerminalDriver
+        return driver
+
+    def _quit_on_signal(self, loop: asyncio.AbstractEventLoop, signum: int) -> None:
         # As ctrl+q: the reply in flight is saved as stopped and the terminal restored (Python's default
         # would end the process with the terminal in the alternate screen and the reply "streaming").
+        # But not after the input still queued: keys typed in by a paste can be thousands, each an edit of the
+        # prompt, and Textual closes a widget only once it has handled its queue (after a hangup, for nobody).
+        # This may interrupt the loop's own code: it only sets flags and hands the exit to the loop.
         # 128 + the signal, as a shell reports a process the signal ended.
-        self.exit(return_code=128 + signum)
+        if self._ending or loop.is_closed():
+            return
+        self._ending = True
+        if hasattr(self._driver, "end_input"):  # tuichat.ui.terminal's
+            self._driver.end_input()
+        for event in self._input_in_flight:
+            event.prevent_default()  # no handler runs
+            event.stop()  # nor does it bubble up to one
+        loop.call_soon_threadsafe(partial(self.exit, return_code=128 + signum))
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.InputEvent, events.Paste)) and not event.is_forwarded:  # from the terminal
+            if self._ending:
+                return
+            self._input_in_flight.add(event)
+        await super().on_event(event)
 
     def _apply_keymap(self) -> None:
         known = {binding.id for binding in self.all_bindings()}
@@ -639,24 +675,9 @@ class TuichatApp(App[None]):
             )
 
 
-def _lenient_terminal_input() -> None:
-    """Textual's Linux driver decodes the terminal's bytes with a strict UTF-8 decoder: one invalid byte (a
-    paste from a Latin-1 terminal, line noise) kills its input thread and the app with it, the unsent
-    prompt too (Textual issue 6456). Replacing such bytes with U+FFFD, as Textual's proposed fix does, keeps
-    the app and the prompt; the driver takes its decoder factory from its module, hence this patch."""
-    from textual.drivers import linux_driver
-
-    def lenient(encoding: str):
-        return partial(codecs.getincrementaldecoder(encoding), errors="replace")
-
-    linux_driver.getincrementaldecoder = lenient
-
-
 def run_tui(
     backend_factory: Callable[[], Backend], config: Config, store: Store, warnings: list[str]
 ) -> None:
-    if os.name == "posix":
-        _lenient_terminal_input()
     app = TuichatApp(backend_factory, config, store, warnings)
     try:
         app.run()
