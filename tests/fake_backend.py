@@ -34,6 +34,27 @@ SHORT_REPLIES = [
 ]
 
 
+class Tap:
+    """Each token of a stream after its first waits for a permit of that stream's own: a reply streams exactly
+    as far as the test lets it, and is still streaming whenever the test says so, however fast the machine."""
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens = tokens  # the permits each stream starts with
+        self._permits: dict[str, asyncio.Semaphore] = {}
+
+    def _of(self, conversation_id: str) -> asyncio.Semaphore:
+        return self._permits.setdefault(conversation_id, asyncio.Semaphore(self.tokens))
+
+    async def wait(self, conversation_id: str) -> None:
+        await self._of(conversation_id).acquire()
+
+    def allow(self, tokens: int) -> None:
+        """`tokens` more for every stream that has started."""
+        for permits in self._permits.values():
+            for _ in range(tokens):
+                permits.release()
+
+
 class FakeBackend(DemoBackend):
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("replies", SHORT_REPLIES)
@@ -43,6 +64,8 @@ class FakeBackend(DemoBackend):
         super().__init__(**kwargs)
         self.hold: asyncio.Event | None = None  # if given, replies wait for it after `hold_after` tokens
         self.hold_after = 1
+        self.tap: Tap | None = None  # if given, replies stream only as far as it lets them
+        self.sent = 0  # events yielded by every stream() so far
         self.stream_error: str | None = None  # when set: replies end with this error after one token
         self.load_delay_s = 0.0  # extra, real seconds in load(), to test waiting for a model
         self.load_calls: list[str] = []
@@ -82,6 +105,7 @@ class FakeBackend(DemoBackend):
             count = 0
             async for event in events:
                 count += 1
+                self.sent += 1
                 yield event
                 if event.finished:
                     return
@@ -91,3 +115,5 @@ class FakeBackend(DemoBackend):
                     return
                 if self.hold is not None and count >= self.hold_after:
                     await self.hold.wait()
+                if self.tap is not None:
+                    await self.tap.wait(conversation_id)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Markdown, Static
 
-from tests.fake_backend import SHORT_REPLIES, FakeBackend, VirtualClock
+from tests.fake_backend import SHORT_REPLIES, FakeBackend, Tap, VirtualClock
 from tests.helpers import until
 from tuichat.backend import CHAT_SAMPLING, EngineStats, SamplingParams, Usage
 from tuichat.config import Config
@@ -723,21 +723,27 @@ async def test_fast_tab_keys_never_split_the_view_from_the_typing():
 
 async def test_log_follows_new_text_until_the_user_scrolls_up_and_again_at_the_bottom():
     long_reply = "\n\n".join(f"Paragraph {index} of a long answer." for index in range(80))
-    app, backend = make_app(FakeBackend(token_s=0.01, replies=[long_reply]))
+    backend = FakeBackend(token_s=0.01, replies=[long_reply])
+    backend.tap = Tap(120)  # enough paragraphs to fill the view; more only as the test lets them
+    app, _ = make_app(backend)
     async with app.run_test(size=SIZE) as pilot:
         log = app.active_tab.log_view
+
+        async def more_text() -> None:
+            grown = log.max_scroll_y
+            backend.tap.allow(30)  # a few paragraphs, a small part of what is left of the reply
+            await until(lambda: log.max_scroll_y > grown + 3, what="more text")
+
         await send(pilot, "long")
         await until(lambda: log.max_scroll_y > 5 and log.scroll_y == log.max_scroll_y, what="following")
         app.active_tab.prompt.action_scroll_log(-1)  # PageUp in the prompt
         await until(lambda: log.scroll_y < log.max_scroll_y - 5, what="scrolled up")
         log.scroll_home(animate=False)
         for _ in range(2):  # twice: a scroll that follows the first growth has happened by the second
-            grown = log.max_scroll_y
-            await until(lambda: log.max_scroll_y > grown + 3, what="more text")
+            await more_text()
         assert app.active_tab.busy and log.scroll_y == 0  # left where the user is, while the text grew
         log.scroll_end(animate=False)
-        grown = log.max_scroll_y
-        await until(lambda: log.max_scroll_y > grown + 3, what="more text")
+        await more_text()
         await until(lambda: log.scroll_y == log.max_scroll_y, what="following again")
         assert app.active_tab.busy
         app.active_tab.stop()
