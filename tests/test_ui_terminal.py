@@ -20,6 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTER, CTRL_Q = b"\r", b"\x11"
+IN_ITS_OWN_TERMINAL = ("import os, runpy; os.login_tty(0); "
+                       "runpy.run_module('tests.tui_with_fake_backend', run_name='__main__', alter_sys=True)")
 
 
 class Terminal:
@@ -31,8 +33,10 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
         env = {**os.environ, "TERM": "xterm-256color", "TUICHAT_DATA_DIR": str(data_dir),
                "TUICHAT_CONFIG_DIR": str(data_dir.parent / "config")}
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.tui_with_fake_backend", *args], cwd=ROOT,
-                                        env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        # The pty becomes the app's controlling terminal, as a terminal window's is: closing the master then
+        # hangs it up as the kernel does (SIGHUP and SIGCONT, reads at EOF, writes failing).
+        self.process = subprocess.Popen([sys.executable, "-c", IN_ITS_OWN_TERMINAL, *args], cwd=ROOT, env=env,
+                                        stdin=slave, stdout=slave, stderr=slave)
         os.close(slave)
         self.master: int | None = master
         self.output = bytearray()
@@ -54,6 +58,15 @@ class Terminal:
 
     def type(self, data: bytes) -> None:
         os.write(self.master, data)
+
+    def flood(self, data: bytes, timeout: float = 60) -> None:
+        """`data` typed as fast as the terminal takes it: one key event a byte, not a bracketed paste."""
+        deadline = time.monotonic() + timeout
+        rest = memoryview(data)
+        while rest:
+            assert time.monotonic() < deadline, f"tuichat stopped reading its terminal, {len(rest)} bytes to go"
+            if select.select([], [self.master], [], 0.05)[1]:
+                rest = rest[os.write(self.master, rest[:256]) :]
 
     def wait_for(self, condition, what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -83,7 +96,8 @@ class Terminal:
         return code
 
     def hang_up(self) -> None:
-        """The terminal goes away (its window closed): every later write of the app fails."""
+        """The terminal goes away (its window closed): the kernel sends the app SIGHUP and SIGCONT, its reads
+        end and every later write fails."""
         self._stop_reading.set()
         self._reader.join(5)
         os.close(self.master)
@@ -162,3 +176,37 @@ def test_a_hangup_after_the_terminal_is_gone_still_saves_the_reply_as_stopped(te
     assert term.exit_code(timeout=10) == 128 + signal.SIGHUP
     role, content, status = term.messages()[-1]
     assert (role, status) == ("assistant", "stopped") and content.startswith("word0 word1 word2 word3")
+
+
+# Thousands of keys, no Enter among them: handled one by one, they would keep the prompt busy long after the
+# test ends the app.
+FLOOD = " ".join(f"typed{index}" for index in range(7000)).encode()
+
+
+@pytest.mark.parametrize("end", ["hangup", "sigterm"])
+def test_the_app_ends_at_once_whatever_input_is_queued(terminal, end):
+    reply = " ".join(f"word{index}" for index in range(400))
+    term = terminal("--token-s", "0.1", "--reply", reply)
+    term.type(b"hello" + ENTER)
+    term.wait_for(lambda: term.shows("word3"), "tokens streaming")
+    term.flood(FLOOD)
+    if end == "hangup":
+        term.hang_up()
+        signum = signal.SIGHUP  # the kernel's, to the process whose controlling terminal it was
+    else:
+        os.kill(term.process.pid, signal.SIGTERM)
+        signum = signal.SIGTERM
+    # Not after the queued keys: those would take the prompt many seconds (or, with the terminal gone, forever).
+    assert term.exit_code(timeout=10) == 128 + signum
+    if end == "sigterm":
+        output = bytes(term.output)
+        assert last(output, b"\x1b[?1049l") > last(output, b"\x1b[?1049h") >= 0  # the terminal restored
+        assert "Traceback" not in term.text()
+    role, content, status = term.messages()[-1]
+    assert (role, status) == ("assistant", "stopped") and content.startswith("word0 word1 word2 word3")
+    # Its tab is free: a second tuichat on the same history restores the conversation.
+    again = terminal()
+    again.wait_for(lambda: again.shows("word3"), "the conversation restored in a second tuichat")
+    assert not again.shows("Another tuichat")
+    again.type(CTRL_Q)
+    assert again.exit_code(timeout=20) == 0
