@@ -188,8 +188,20 @@ def chunk(text: str | None, finish: str | None = None, usage: dict | None = None
 
 
 def faulty_app() -> FastAPI:
-    """One model per failure; "ok" answers properly (and only to the right key if asked as "auth")."""
+    """One model per failure; "ok" answers properly (and only to the right key if asked as "auth"). Its usage is
+    a server's: a word is a token, and the cached ones are the prompt's longest prefix an earlier request sent
+    (all but its last token, which is computed again, as vLLM does); app.state.usages, every usage sent."""
     app = FastAPI()
+    app.state.usages, seen = [], []
+
+    def usage(messages: list[dict]) -> dict:
+        tokens = [word for m in messages for word in (m["role"], *m["content"].split())]
+        shared = max((next((i for i, (a, b) in enumerate(zip(tokens, old)) if a != b), min(len(tokens), len(old)))
+                      for old in seen), default=0)
+        seen.append(tokens)
+        return {"prompt_tokens": len(tokens), "completion_tokens": len(CHUNKS),
+                "total_tokens": len(tokens) + len(CHUNKS),
+                "prompt_tokens_details": {"cached_tokens": min(shared, len(tokens) - 1)}}
 
     def error(status: int, message: str, headers=None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "x", "param": None, "code": None}}, status, headers)
@@ -202,6 +214,7 @@ def faulty_app() -> FastAPI:
     async def chat(request: Request):
         body = await request.json()
         model = body["model"]
+        counted = usage(body["messages"])
         if model == "strict" and "stream_options" in body:
             return error(400, "Unrecognized request argument supplied: stream_options")
         if model == "auth" and request.headers.get("authorization") != "Bearer right-key":
@@ -225,8 +238,8 @@ def faulty_app() -> FastAPI:
                 yield "data: {not json\n\n"
             yield chunk("", "stop")
             if "stream_options" in body:
-                yield chunk(None, usage={"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-                                         "prompt_tokens_details": {"cached_tokens": 4}})
+                app.state.usages.append(counted)
+                yield chunk(None, usage=counted)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -235,18 +248,47 @@ def faulty_app() -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def faulty():
-    with loopback_server(faulty_app()) as base:
-        yield base
+def faulty_server():
+    app = faulty_app()
+    with loopback_server(app) as base:
+        yield base, app.state.usages
 
 
-def test_a_good_reply_carries_the_servers_usage(faulty):
+@pytest.fixture
+def faulty(faulty_server):
+    return faulty_server[0]
+
+
+@pytest.fixture
+def sent_usages(faulty_server) -> list[dict]:
+    """Every usage the faulty server has sent, in order."""
+    return faulty_server[1]
+
+
+def as_sent(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+
+
+def sent(usage: dict) -> tuple[int, int, int]:
+    return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
+
+
+def test_a_good_reply_carries_the_servers_usage(faulty, sent_usages):
     backend = RemoteBackend(Endpoint("bad", f"{faulty}/v1", timeout=2))
-    text, last = asyncio.run(reply(backend, [Message("user", "hi")], model="ok"))
+    first = [Message("user", "Tell me about the bees of the valley.")]
+    second = [*first, Message("assistant", "".join(CHUNKS)), Message("user", "And their honey?")]
+
+    async def main():
+        replies = [await reply(backend, first, model="ok"), await reply(backend, second, model="ok")]
+        await backend.close()
+        return replies
+
+    (text, last), (_, then) = asyncio.run(main())
     assert text == "".join(CHUNKS) and last.finished and last.error is None
-    usage = last.usage
-    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (5, 4, 3)
-    assert usage.finish_reason == "stop" and usage.ttft_ms > 0 and len(usage.itl_ms) == 2
+    # What the server said of each request, passed through: the second turn's prompt is the first's and more.
+    assert [as_sent(last.usage), as_sent(then.usage)] == [sent(u) for u in sent_usages[-2:]]
+    assert then.usage.cached_tokens >= last.usage.prompt_tokens > last.usage.cached_tokens
+    assert last.usage.finish_reason == "stop" and last.usage.ttft_ms > 0 and len(last.usage.itl_ms) == 2
 
 
 def test_a_server_that_rejects_stream_options_is_asked_again_without_it(faulty):
@@ -314,7 +356,7 @@ def test_the_picker_lists_an_unreachable_endpoint_with_its_reason(faulty):
     assert listed["gone:"].startswith("unreachable: gone (") and "connection refused" in listed["gone:"]
 
 
-async def test_a_failed_remote_tab_keeps_its_partial_reply_and_the_other_tab_works(faulty):
+async def test_a_failed_remote_tab_keeps_its_partial_reply_and_the_other_tab_works(faulty, sent_usages):
     app = remote_app([Endpoint("bad", f"{faulty}/v1", timeout=2)], "bad:cut")
     async with app.run_test(size=SIZE) as pilot:
         first = app.active_tab
@@ -331,10 +373,11 @@ async def test_a_failed_remote_tab_keeps_its_partial_reply_and_the_other_tab_wor
         await send(pilot, "hello again")
         await answered(app, second)
         assert (last_row(app, second).status, last_row(app, second).content) == ("done", "".join(CHUNKS))
-        assert last_row(app, second).meta["cached_tokens"] == 4
+        # What the server said; not nothing, as "hello" came first.
+        assert last_row(app, second).meta["cached_tokens"] == sent(sent_usages[-1])[1] > 0
 
 
-def test_bench_runs_single_tabs_and_multiturn_over_the_wire(faulty):
+def test_bench_runs_single_tabs_and_multiturn_over_the_wire(faulty, sent_usages):
     from click.testing import CliRunner
 
     from tuichat.cli import main
@@ -345,7 +388,10 @@ def test_bench_runs_single_tabs_and_multiturn_over_the_wire(faulty):
     data = json.loads(result.stdout.splitlines()[-1])
     assert data["model"] == "remote:ok" and set(data["scenarios"]) == {"single", "tabs", "multiturn"}
     assert data["scenarios"]["tabs"]["requests"] == 2 and data["scenarios"]["tabs"]["tokens_per_s"] > 0
-    assert [t["cached_tokens"] for t in data["scenarios"]["multiturn"]["turns"]] == [4, 4]
+    # The last requests are the turns: what the server said of each, and turn 2 found all of turn 1 cached.
+    turns = data["scenarios"]["multiturn"]["turns"]
+    assert [(t["prompt_tokens"], t["cached_tokens"]) for t in turns] == [sent(u)[:2] for u in sent_usages[-2:]]
+    assert turns[1]["cached_tokens"] >= turns[0]["prompt_tokens"] > turns[0]["cached_tokens"]
     assert any("peers skipped: hf_generate" in note for note in data["notes"])
 
 
