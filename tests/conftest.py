@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import CONVERSION_STAGES, CPU_BUILDS, SERVE_KEY, free_port, server_process
+from tests.helpers import CONVERSION_STAGES, CPU_BUILDS, SERVE_KEY, cannot_run, free_port, no_kernels, server_process
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may wait on a network that is not there
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,14 +43,14 @@ def _kernels_built_for(build: str, session_cache):
     from tuichat.engine import cpu_kernel
 
     if not CPU_BUILDS[build] <= cpu_kernel.cpu_flags():
-        pytest.skip(f"this CPU cannot run a {build} build")
+        pytest.skip(cannot_run(build, cpu_kernel.cpu_flags()))
     patch = pytest.MonkeyPatch()
     patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
     patch.setenv("TUICHAT_CPU_ARCH", build)
     cpu_kernel.load.cache_clear()
     kernel, why = cpu_kernel.load()
     if kernel is None:
-        pytest.skip(f"no kernels here: {why}")
+        pytest.skip(no_kernels(why))
     yield kernel
     patch.undo()
     cpu_kernel.load.cache_clear()

@@ -121,6 +121,26 @@ def server_process(argv: list[str], port: int, log: Path, env: dict[str, str], w
 # laptops (AVX2): each -march value with the CPU flags it needs to run here.
 CPU_BUILDS = {"native": set(), "cooperlake": {"avx512f", "avx512_bf16"}, "haswell": {"avx2", "fma"}}
 
+# The machine kinds CI (.ci/run) lands on: the Zen 4 kind (AVX512-BF16 and VNNI, no AMX), the Ice Lake kind
+# (AVX-512 VNNI, no BF16) and the Intel Xeon with AMX. What a skip here says runs it.
+RUNS_ON = {
+    "native": "every machine kind, in its own instruction set",
+    "cooperlake": "the Zen 4 kind and the Intel Xeon with AMX (the Ice Lake kind has no AVX512-BF16)",
+    "haswell": "every machine kind",
+    "amx": "the Intel Xeon with AMX alone (amx_linear.c and decoder.c's AMX branches)",
+    "kernels": "every machine kind, with the C compiler its image has",
+    "llama-server": "no machine kind as CI sets it up: by hand, on any kind, with TUICHAT_LLAMA_SERVER set",
+}
+
+
+def cannot_run(build: str, flags: set[str]) -> str:
+    """The skip reason of a CPU build this CPU lacks the flags for."""
+    return f"this CPU lacks {', '.join(sorted(CPU_BUILDS[build] - flags))} for a {build} build: runs on {RUNS_ON[build]}"
+
+
+def no_kernels(why: str) -> str:
+    return f"no kernels here ({why}): they build and run on {RUNS_ON['kernels']}"
+
 
 TINY = {
     "llama": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

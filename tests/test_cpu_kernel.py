@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import CPU_BUILDS, make_tiny
+from tests.helpers import CPU_BUILDS, RUNS_ON, cannot_run, make_tiny, no_kernels
 from tuichat.engine import cpu_kernel
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
@@ -31,11 +31,11 @@ def fresh_load():
 def kernels(request, fresh_load, monkeypatch):
     """This CPU's build and the others of CPU_BUILDS that it can run."""
     if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
-        pytest.skip(f"this CPU cannot run a {request.param} build")
+        pytest.skip(cannot_run(request.param, cpu_kernel.cpu_flags()))
     monkeypatch.setenv("TUICHAT_CPU_ARCH", request.param)
     kernel, why = fresh_load()
     if kernel is None:
-        pytest.skip(f"no kernels here: {why}")
+        pytest.skip(no_kernels(why))
     return kernel
 
 
@@ -43,7 +43,7 @@ def kernels(request, fresh_load, monkeypatch):
 def amx(fresh_load):
     kernel, why = fresh_load()
     if kernel is None or kernel.isa != "amx":
-        pytest.skip(f"no AMX here: {why}")
+        pytest.skip(f"no AMX here ({why}): runs on {RUNS_ON['amx']}")
     return kernel
 
 
@@ -171,7 +171,7 @@ def copied_build(fresh_load, session_cache, tmp_path, monkeypatch):
     path of its library, not loaded from there yet."""
     kernel, why = fresh_load()  # built into the session cache once, then reused
     if kernel is None:
-        pytest.skip(f"no kernels here: {why}")
+        pytest.skip(no_kernels(why))
     shutil.copytree(session_cache / "kernels", tmp_path / "cache" / "kernels")
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
     fresh_load.cache_clear()

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import Static
 
-from tests.helpers import SERVE_KEY, free_port, hf_greedy, loopback_server, server_process, template_ids, until
+from tests.helpers import RUNS_ON, SERVE_KEY, free_port, hf_greedy, loopback_server, server_process, template_ids, until
 from tuichat.backend import Message, SamplingParams
 from tuichat.backends import Router
 from tuichat.config import Config, load_config
@@ -424,7 +424,8 @@ def llama_server_binary() -> str | None:
 
 
 @pytest.mark.skipif(llama_server_binary() is None,
-                    reason="no llama-server: set TUICHAT_LLAMA_SERVER or put it on PATH (it is never a dependency)")
+                    reason="no llama-server (set TUICHAT_LLAMA_SERVER or put it on PATH; it is never a dependency): "
+                    f"runs on {RUNS_ON['llama-server']}")
 def test_llama_cpp_server_streams_through_the_remote_backend(tmp_path):
     from tuichat import catalog
 
