@@ -5,6 +5,7 @@ other processes and separate holders in this one."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -96,7 +97,8 @@ def other_tuichat(folder: Path, *conversation_ids: str):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
     )
     try:
-        assert process.stdout.readline() == "held\n"
+        ready, _, _ = select.select([process.stdout], [], [], 60)  # readline alone would wait for ever on a hang
+        assert ready and process.stdout.readline() == "held\n", "the other tuichat never held its conversations"
         yield process
     finally:
         process.kill()

@@ -107,5 +107,5 @@ def test_the_code_passes_the_linter():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     assert ruff is not None, "ruff is in the test extras: ./setup.sh installs it"
     result = subprocess.run([ruff, "check", "--no-cache", "tuichat", "tests", "scripts"], cwd=ROOT,
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
