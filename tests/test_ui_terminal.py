@@ -210,3 +210,24 @@ def test_the_app_ends_at_once_whatever_input_is_queued(terminal, end):
     assert not again.shows("Another tuichat")
     again.type(CTRL_Q)
     assert again.exit_code(timeout=20) == 0
+
+
+
+@pytest.mark.parametrize("end", ["hangup", "sigterm"])
+def test_a_reply_sent_as_the_app_ends_is_stored_as_stopped(terminal, end):
+    term = terminal("--first-token-s", "3600")  # the reply never gets its first token
+    # Enter, then keys queued behind it: the turn is stored at once, but its widgets wait their turn to mount.
+    term.flood(b"hello" + ENTER + FLOOD)
+    term.wait_for(lambda: term.messages() == [("user", "hello", "done"), ("assistant", "", "streaming")],
+                  "the reply started")
+    if end == "hangup":
+        term.hang_up()
+        signum = signal.SIGHUP
+    else:
+        os.kill(term.process.pid, signal.SIGTERM)
+        signum = signal.SIGTERM
+    assert term.exit_code(timeout=10) == 128 + signum
+    if end == "sigterm":
+        assert "Traceback" not in term.text()
+    # Read from the file as the app left it (a tuichat opening it would mend a reply left streaming).
+    assert term.messages() == [("user", "hello", "done"), ("assistant", "", "stopped")]

@@ -15,9 +15,11 @@ from tuichat.ui.app import run_tui
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--token-s", type=float, default=0.005, help="seconds between streamed tokens")
+    parser.add_argument("--first-token-s", type=float, default=0.05, help="seconds before a reply's first token")
     parser.add_argument("--reply", help="the one canned reply (default: FakeBackend's)")
     args = parser.parse_args()
-    backend = FakeBackend(token_s=args.token_s, **({"replies": [args.reply]} if args.reply else {}))
+    replies = {"replies": [args.reply]} if args.reply else {}
+    backend = FakeBackend(first_token_s=args.first_token_s, token_s=args.token_s, **replies)
     run_tui(lambda: backend, Config(), Store(), [])
 
 

@@ -313,6 +313,10 @@ class TuichatApp(App[None]):
         self._refresh_model_bars()
 
     async def on_unmount(self) -> None:
+        # Replies still open have nothing left to end them: a turn sent as the app ended, its widget never
+        # mounted or its worker never started, or one cut off by the end.
+        for turn in list(self.tab_services.open_turns):
+            turn.abandon()
         if self.backend is not None:
             await self.backend.close()
         self.locks.release_all()  # after the replies cut short by quitting are saved

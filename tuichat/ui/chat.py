@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from textual.content import Content
 from textual.css.query import NoMatches
+from textual.widget import MountError
 from textual.widgets import TabbedContent, TabPane
 from textual.worker import Worker, WorkerState
 
@@ -223,18 +224,26 @@ class ChatTab(TabPane):
         if self.title == NEW_TITLE:
             first_line = text.strip().splitlines()[0]
             self.rename(first_line[:TITLE_CHARS] + ("…" if len(first_line) > TITLE_CHARS else ""))
-        sent = UserMessage(text, message_id)
-        await self.log_view.add(sent, room=2)
-        await self._reply(t_enter, sent)
+        await self._reply(t_enter, UserMessage(text, message_id))
 
     async def _reply(self, t_enter: float, sent: UserMessage | None = None) -> None:
-        context = self.runner.context(self.log_view.history())
+        """The reply to the conversation so far, and to `sent`, the user's message not yet on screen."""
+        history = self.log_view.history()
+        context = self.runner.context([*history, Past.from_widget(sent)] if sent is not None else history)
+        # Stored in the same step as the message: the turn is on record before anything of it is on screen.
         message_id = self.runner.start_reply()
         model = self.services.model_name(self.model)
         reply = AssistantMessage(
             "", status="streaming", message_id=message_id, model=model, pacer=self.services.pacer
         )
-        await self.log_view.add(reply)
+        try:
+            if sent is not None:
+                await self.log_view.add(sent, room=2)
+            await self.log_view.add(reply)
+        except MountError:
+            # The app began to end while the turn waited for the screen (behind a paste's keys, say): nothing
+            # mounts from then on, and the app, ending, stores the reply as stopped.
+            return
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
         self._turn = self.run_worker(self._stream_reply(reply, context, sent), group="turn", exit_on_error=False)

@@ -3,7 +3,7 @@ and never reach into the app object."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from collections.abc import Awaitable, Callable
 
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from tuichat.backend import Backend, SamplingParams
     from tuichat.store import Store
     from tuichat.ui.pacing import PaintPacer
+    from tuichat.ui.turns import TurnRunner
 
 
 @dataclass(frozen=True)
@@ -24,3 +25,5 @@ class TabServices:
     system_prompt: str | None
     pacer: PaintPacer  # one for the app: every tab paints on the same UI thread
     clock: Callable[[], float]  # what latencies are measured on (tests give a virtual one)
+    # The turns whose reply is stored as streaming: the app, as it ends, stops those left in the store.
+    open_turns: set[TurnRunner] = field(default_factory=set)

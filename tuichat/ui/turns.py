@@ -77,6 +77,9 @@ class TurnRunner:
         self.chosen = sampling
         self._services = services
         self.stop_requested = False
+        # The reply stored as streaming and not ended yet, and what shows it once its stream has begun.
+        self._open: int | None = None
+        self._view: ReplyView | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -125,11 +128,30 @@ class TurnRunner:
     # --- a turn -------------------------------------------------------------------------------------
 
     def start_reply(self) -> int:
-        """A new turn: its reply, empty and streaming, in the store. Returns the reply's message id."""
+        """A new turn: its reply, empty and streaming, in the store, open until `stream` or `abandon` ends it.
+        Returns the reply's message id."""
         self.stop_requested = False
-        return self._services.store.add_message(
+        self._open = self._services.store.add_message(
             self.conversation_id, "assistant", "", status="streaming", meta={"model": self.model}
         )
+        self._view = None
+        self._services.open_turns.add(self)
+        return self._open
+
+    def abandon(self) -> None:
+        """Store the open reply, if any, as stopped with its text so far: nothing else will end it (the app is
+        ending, whatever became of the turn's task and widgets). Its turn's later writes go nowhere."""
+        if self._open is not None:
+            self._end(self._open, "stopped", None, None)
+
+    def _end(self, reply_id: int, status: str, usage: Usage | None, error: str | None) -> None:
+        if reply_id != self._open:  # abandoned
+            return
+        text = self._view.text if self._view is not None else ""
+        meta = self._meta(self._view, usage, error)
+        self._services.store.update_message(reply_id, content=text, status=status, meta=meta)
+        self._open = self._view = None
+        self._services.open_turns.discard(self)
 
     async def stream(self, reply_id: int, context: list[Message], view: ReplyView) -> Outcome:
         """Stream the reply to `context` into `view` and the store. After `stop()` the text so far stays,
@@ -139,6 +161,8 @@ class TurnRunner:
         store, clock = services.store, services.clock
         usage: Usage | None = None
         error: str | None = None
+        if reply_id == self._open:
+            self._view = view
         try:
             model = await services.ensure_model(self.model)
             view.model_ready(model)
@@ -149,7 +173,7 @@ class TurnRunner:
                 async for event in stream:
                     if event.text:
                         await view.chunk(event.text, event.usage.completion_tokens)
-                        if clock() - last_flush >= FLUSH_S:
+                        if clock() - last_flush >= FLUSH_S and reply_id == self._open:
                             store.update_message(reply_id, content=view.text)
                             last_flush = clock()
                     if event.error:
@@ -163,7 +187,7 @@ class TurnRunner:
                     await aclose()
         except asyncio.CancelledError:
             if not self.stop_requested:  # the app is quitting or the tab closing: save, skip the UI
-                store.update_message(reply_id, content=view.text, status="stopped", meta=self._meta(view, None, None))
+                self._end(reply_id, "stopped", None, None)
                 raise
         except BackendError as failure:
             error = str(failure)
@@ -176,7 +200,7 @@ class TurnRunner:
         else:
             status = "done"
         view.ended(usage)
-        store.update_message(reply_id, content=view.text, status=status, meta=self._meta(view, usage, error))
+        self._end(reply_id, status, usage, error)
         return Outcome(status, usage, error)
 
     def stop(self) -> None:
@@ -186,9 +210,9 @@ class TurnRunner:
         if backend is not None:
             backend.cancel(self.conversation_id)
 
-    def _meta(self, view: ReplyView, usage: Usage | None, error: str | None) -> dict:
+    def _meta(self, view: ReplyView | None, usage: Usage | None, error: str | None) -> dict:
         meta: dict = {"model": self.model}
-        turn = view.timing
+        turn = view.timing if view is not None else None
         if turn is not None:
             for name in ("ttft_ms", "itl_ms", "tokens_per_s"):
                 if getattr(turn, name) is not None:
