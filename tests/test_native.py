@@ -188,6 +188,33 @@ def test_a_plan_outside_the_cache_is_an_error_not_a_crash(kernels):
     engine.close()
 
 
+def test_structs_laid_out_otherwise_than_decoder_c_are_refused(kernels, monkeypatch):
+    """native.py's ctypes mirrors of layer_weights and step_args must match decoder.c's, field by field: a
+    drift is refused at load (the structs' layouts compared) and at the call (size and version checked in C)."""
+    import ctypes
+
+    assert kernels.abi == native.abi()
+    model, _ = make("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=8))
+    decoder = engine.runner.native
+    assert engine.layers == "C" and isinstance(decoder, native.NativeDecoder)
+    for field, value in (("size", ctypes.sizeof(native.StepArgs) - 8), ("version", native.StepArgs.VERSION + 1)):
+        saved = getattr(decoder._args, field)
+        setattr(decoder._args, field, value)
+        with pytest.raises(RuntimeError, match="arguments laid out for another build"):
+            decoder.execute([StepChunk([1, 2, 3], 0, [0], True)])
+        setattr(decoder._args, field, saved)
+    assert decoder.execute([StepChunk([1, 2, 3], 0, [0], True)]).shape[0] == 1
+    engine.close()
+
+    class Swapped(native.LayerWeights):  # two fields in the other order: what a one-sided edit does
+        _fields_ = [native.LayerWeights._fields_[1], native.LayerWeights._fields_[0], *native.LayerWeights._fields_[2:]]
+
+    monkeypatch.setattr(native, "LayerWeights", Swapped)
+    with pytest.raises(RuntimeError, match="decoder.c's structs differ from native.py's"):
+        native.check_abi(kernels)
+
+
 @pytest.fixture(scope="module")
 def smollm2_bf16(embedded, session_cache):
     """The embedded model in bf16 (SmolLM2: 3 query heads per KV head, head_dim 64, one of decoder.c's

@@ -29,7 +29,8 @@ import torch
 from tuichat.engine.storage import cache_dir
 
 MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
-_SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.c", "vector_linear.c", "decoder.c", "sampler.c")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("scratch.c", "amx_linear.c", "vector_linear.c", "decoder.c", "sampler.c")]
 _HEADERS = [Path(__file__).with_name("kernels.h")]
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp"]
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -69,6 +70,19 @@ class CpuKernels:
         self._any.restype = ctypes.c_int
         self._any.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [
             ctypes.c_long] * 2 + [ctypes.c_int] * 2
+        library.kernel_abi.restype = ctypes.c_char_p
+        self.abi: str = library.kernel_abi().decode()  # decoder.c's structs, for native.py to check against its own
+        library.kernels_trim.restype = ctypes.c_long
+        library.kernels_scratch_bytes.restype = ctypes.c_long
+
+    def trim(self) -> int:
+        """Free the scratch memory no call holds (scratch.c); the bytes freed. The next call allocates again."""
+        return self.library.kernels_trim()
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch the library keeps for its next calls."""
+        return self.library.kernels_scratch_bytes()
 
     @staticmethod
     def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -144,13 +158,33 @@ class CpuKernels:
         return y.view(*x.shape[:-1], out_features)
 
 
+BUILD_TIMEOUT_S = 600  # a compiler that hangs (a wedged ccache, a full disk's retries) must not hang the load
+
+
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    """The C compiler's path: $CC where set (a name on PATH or a path), else gcc or cc; None if there is none."""
+    if named := os.environ.get("CC"):
+        return shutil.which(named)
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def _no_compiler() -> str:
+    """Why _compiler() found none."""
+    if named := os.environ.get("CC"):
+        return f"$CC is {named!r}, which is not an executable"
+    return "no C compiler to build tuichat's kernels"
+
+
+def _why(stderr: str) -> str:
+    """What a failed compile says: its error lines (a few), else its last lines."""
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    errors = [l for l in lines if "error" in l.lower()]
+    return " | ".join((errors or lines)[:4] if errors else lines[-4:]) or "the compiler failed without a message"
 
 
 @functools.cache  # a compiler run and the sources' text: once per process, not per lookup
 def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S).stdout
     # -march=native means this CPU: a cache dir shared by two machines must not share the build.
     cpu = " ".join(sorted(cpu_flags()))
     key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, cpu, *flags]).encode())
@@ -195,9 +229,13 @@ def _build(compiler: str, flags: list[str]) -> Path:
     built = Path(tempfile.mkdtemp(dir=root))
     try:
         library = built / target.name
-        result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(library)], capture_output=True, text=True)
+        try:
+            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(library)], capture_output=True,
+                                    text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{compiler} took over {BUILD_TIMEOUT_S} s") from None
         if result.returncode != 0:
-            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+            raise RuntimeError(_why(result.stderr))
         library.chmod(0o700)
         _digest_path(library).write_text(_sha256(library) + "\n")
         _digest_path(library).chmod(0o600)
@@ -224,8 +262,9 @@ def _flags() -> list[str]:
 
 
 def available() -> bool:
-    """Whether load() can be expected to give kernels (a compiler is there and they are not switched off)."""
-    return not _switched_off() and _compiler() is not None
+    """Whether the kernels are built and loaded (building them first if need be): what decides the dtype, so
+    a build that fails leaves the model in the dtype torch's own kernels run best."""
+    return load()[0] is not None
 
 
 def build_pending() -> bool:
@@ -233,7 +272,10 @@ def build_pending() -> bool:
     compiler = _compiler()
     if load.cache_info().currsize or _switched_off() or compiler is None:
         return False
-    return not _trusted(_library_path(compiler, _flags()))
+    try:
+        return not _trusted(_library_path(compiler, _flags()))
+    except (OSError, subprocess.SubprocessError):  # the compiler would not even say its version: load() says why
+        return False
 
 
 @functools.cache
@@ -243,13 +285,13 @@ def load() -> tuple[CpuKernels | None, str]:
         return None, "off (TUICHAT_CPU_KERNELS)"
     compiler = _compiler()
     if compiler is None:
-        return None, "torch (no C compiler to build tuichat's kernels)"
+        return None, f"torch ({_no_compiler()})"
     flags = _flags()
     try:
         library = ctypes.CDLL(str(_build(compiler, flags)))
         if library.amx_enable() != 0:  # the CPU has AMX but the kernel won't hand it to this process
             library = ctypes.CDLL(str(_build(compiler, flags + _NO_AMX)))
-    except (OSError, RuntimeError) as exc:
+        kernels = CpuKernels(library)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a missing export
         return None, f"torch (kernel build failed: {exc})"
-    kernels = CpuKernels(library)
     return kernels, kernels.isa

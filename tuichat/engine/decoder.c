@@ -15,6 +15,8 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -308,40 +310,26 @@ static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width
     }
 }
 
-/* Per layer, in this order: addresses, and each linear's weight format (30 bf16, or a GGUF block type). q/k/v
- * and gate/up are one linear each (QKV_W, GATE_UP_W), or, where their parts' weights differ in format (a K-quant
- * mix gives v more bits than q and k), parts: QKV_W then q alone, with K_W and V_W; GATE_UP_W gate alone, with
- * UP_W. The fused biases serve either way. */
-enum { ATTN_NORM, QKV_W, QKV_B, O_W, O_B, MLP_NORM, GATE_UP_W, GATE_UP_B, DOWN_W, DOWN_B, K_CACHE, V_CACHE,
-       QKV_FMT, O_FMT, GATE_UP_FMT, DOWN_FMT, K_W, K_FMT, V_W, V_FMT, UP_W, UP_FMT, PER_LAYER };
-
-int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads, int f32);
-
 /* A linear whose output rows (of width `out`) are `parts` pieces side by side (one for a fused linear): the
- * weights at `weights[2 * i]` in format `weights[2 * i + 1]`, each sizes[i] outputs wide. */
-static int linear_parts(const void *x, const uint64_t *weights, const int *sizes, int parts, const uint16_t *bias,
-                        void *y, int rows, int out, int width, int threads, int f32) {
-    int status = 0;
-    for (int i = 0, at = 0; i < parts; at += sizes[i++])
-        status |= any_linear(x, (const void *)weights[2 * i], (int)weights[2 * i + 1], bias ? bias + at : NULL,
-                             (char *)y + (long)at * (f32 ? 4 : 2), rows, sizes[i], width, width, out, threads, f32);
-    return status;
+ * weights at `weights[i]` in format `formats[i]`, each sizes[i] outputs wide. Stops at the first failure. */
+static int linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats, const int *sizes,
+                        int parts, const uint16_t *bias, void *y, int rows, int out, int width, int threads, int f32) {
+    for (int i = 0, at = 0; i < parts; at += sizes[i++]) {
+        int status = scratch_linear(s, x, weights[i], formats[i], bias ? bias + at : NULL,
+                                    (char *)y + (long)at * (f32 ? 4 : 2), rows, sizes[i], width, width, out, threads, f32);
+        if (status != 0) return status;
+    }
+    return 0;
 }
-
-/* The step's intermediates, kept by the calling thread (the engine's) and grown as needed: no allocation per
- * step. */
-static __thread struct { void *memory; size_t size; } scratch;
 
 /* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin: bf16, rounded where
  * transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the cache f16
  * (see rms_norm_f32); cos/sin hold a row per position (row t reads pos[t]'s) where by_position, else one per
- * row, each dim wide; layers: PER_LAYER addresses per layer, in the enum's order (biases may be 0); the cache
- * holds num_blocks blocks. 0 on success, -3 for a block table or position outside the cache. */
-static int decoder_layers(void *hidden, int f32, const void *cos, const void *sin, int by_position, const int32_t *pos,
-                          const int32_t *table_off, const int32_t *tables, int tables_len, int num_blocks, int rows,
-                          const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim, int inter,
-                          int block_size, float eps, float scale, int threads) {
+ * row, each dim wide; the cache holds num_blocks blocks; intermediates in s (SCRATCH_DECODER). 0 on success, -3 for a block table or position outside the cache. */
+static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, const void *sin, int by_position,
+                          const int32_t *pos, const int32_t *table_off, const int32_t *tables, int tables_len,
+                          int num_blocks, int rows, const layer_weights *layers, int num_layers, int width, int heads,
+                          int kv_heads, int dim, int inter, int block_size, float eps, float scale, int threads) {
     int group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * dim;
     if (rows < 1 || rows > 512 || width % 32 || dim % 32 || dim > 128 || heads % kv_heads || group > 8 || inter % 32 || block_size % 16)
         return -1;
@@ -365,13 +353,8 @@ static int decoder_layers(void *hidden, int f32, const void *cos, const void *si
                              (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
     size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(int32_t) * (3 * tasks + rows);
     for (int i = 0; i < 6; i++) need += (counts[i] * elem + 63) / 64 * 64;
-    if (need > scratch.size) {
-        free(scratch.memory);
-        scratch.memory = malloc(need);
-        scratch.size = scratch.memory ? need : 0;
-        if (!scratch.memory) return -2;
-    }
-    char *buffers[6], *next = scratch.memory;
+    char *buffers[6], *next = scratch_reserve(s, SCRATCH_DECODER, need);
+    if (!next) return -2;
     for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
     void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *act = buffers[5];
     float *work = (float *)next, *partials = work + (size_t)threads * per_thread;
@@ -384,16 +367,18 @@ static int decoder_layers(void *hidden, int f32, const void *cos, const void *si
         for (int i = 0; i < (parts > 1 ? parts : kv_heads); i++, task++)
             task_row[task] = t, task_part[task] = parts > 1 ? i : 0, task_head[task] = parts > 1 ? -1 : i;
     }
-    int status = 0;
-    for (int l = 0; l < num_layers && status == 0; l++) {
-        const uint64_t *p = layers + (long)l * PER_LAYER;
-        uint16_t *k_cache = (uint16_t *)p[K_CACHE], *v_cache = (uint16_t *)p[V_CACHE];
-        if (f32) rms_norm_f32(hidden, (const float *)p[ATTN_NORM], normed, rows, width, eps);
-        else rms_norm(hidden, (const uint16_t *)p[ATTN_NORM], normed, rows, width, eps);
-        const uint64_t qkv_parts[] = {p[QKV_W], p[QKV_FMT], p[K_W], p[K_FMT], p[V_W], p[V_FMT]};
-        const int qkv_sizes[] = {p[K_W] ? heads * dim : qkv_width, kv_heads * dim, kv_heads * dim};
-        status |= linear_parts(normed, qkv_parts, qkv_sizes, p[K_W] ? 3 : 1, (const uint16_t *)p[QKV_B], qkv, rows,
-                               qkv_width, width, threads, f32);
+    int status;
+    for (int l = 0; l < num_layers; l++) {
+        const layer_weights *p = layers + l;
+        uint16_t *k_cache = p->k_cache, *v_cache = p->v_cache;
+        if (f32) rms_norm_f32(hidden, p->attn_norm, normed, rows, width, eps);
+        else rms_norm(hidden, p->attn_norm, normed, rows, width, eps);
+        const void *const qkv_parts[] = {p->qkv_w, p->k_w, p->v_w};
+        const int32_t qkv_formats[] = {p->qkv_fmt, p->k_fmt, p->v_fmt};
+        const int qkv_sizes[] = {p->k_w ? heads * dim : qkv_width, kv_heads * dim, kv_heads * dim};
+        status = linear_parts(s, normed, qkv_parts, qkv_formats, qkv_sizes, p->k_w ? 3 : 1, p->qkv_b, qkv, rows,
+                              qkv_width, width, threads, f32);
+        if (status != 0) return status;
         for (int t = 0; t < rows; t++) {
             const int32_t *table = tables + table_off[t];
             long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
@@ -441,76 +426,120 @@ static int decoder_layers(void *hidden, int f32, const void *cos, const void *si
             if (!f32) _tile_release();
 #endif
         }
-        status |= any_linear(attn, (const void *)p[O_W], (int)p[O_FMT], (const uint16_t *)p[O_B], tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
+        status = scratch_linear(s, attn, p->o_w, p->o_fmt, p->o_b, tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
+        if (status != 0) return status;
         if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
-        if (f32) rms_norm_f32(hidden, (const float *)p[MLP_NORM], normed, rows, width, eps);
-        else rms_norm(hidden, (const uint16_t *)p[MLP_NORM], normed, rows, width, eps);
-        const uint64_t gate_up_parts[] = {p[GATE_UP_W], p[GATE_UP_FMT], p[UP_W], p[UP_FMT]};
-        const int gate_up_sizes[] = {p[UP_W] ? inter : 2 * inter, inter};
-        status |= linear_parts(normed, gate_up_parts, gate_up_sizes, p[UP_W] ? 2 : 1, (const uint16_t *)p[GATE_UP_B],
-                               gate_up, rows, 2 * inter, width, threads, f32);
+        if (f32) rms_norm_f32(hidden, p->mlp_norm, normed, rows, width, eps);
+        else rms_norm(hidden, p->mlp_norm, normed, rows, width, eps);
+        const void *const gate_up_parts[] = {p->gate_up_w, p->up_w};
+        const int32_t gate_up_formats[] = {p->gate_up_fmt, p->up_fmt};
+        const int gate_up_sizes[] = {p->up_w ? inter : 2 * inter, inter};
+        status = linear_parts(s, normed, gate_up_parts, gate_up_formats, gate_up_sizes, p->up_w ? 2 : 1, p->gate_up_b,
+                              gate_up, rows, 2 * inter, width, threads, f32);
+        if (status != 0) return status;
         if (f32) silu_mul_f32(gate_up, act, rows, inter, threads);
         else silu_mul(gate_up, act, rows, inter, threads);
-        status |= any_linear(act, (const void *)p[DOWN_W], (int)p[DOWN_FMT], (const uint16_t *)p[DOWN_B], tmp, rows, width, inter, inter, width, threads, f32);
+        status = scratch_linear(s, act, p->down_w, p->down_fmt, p->down_b, tmp, rows, width, inter, inter, width, threads, f32);
+        if (status != 0) return status;
         if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
     }
-    return status;
+    return 0;
 }
 
 /* A step from its token ids, in one call (each torch op it replaces cost ~10-30 us in a decode step, where the
- * weights just streamed through evicted the interpreter's caches). ints: the rows' ids, then their positions,
- * then where each row's block table starts in `tables`, `rows` each. The embedding ([vocab, width], fp32 where
- * emb_f32, else bf16) gives hidden's rows (the step's dtype, as decoder_layers); cos/sin are tables of
- * `positions` positions (0: rows of the step's own). The rows run through the layers in pieces of up to 512, in
- * order: a piece finds the K/V of those before it in the cache, as it would its own. Then, with final_weight
- * (f32 only), the final norm of the rows sample_rows into `normed` [samples, width], and with `head` (a weight
- * in any_linear's formats, vocab_out rows) their logits into `logits` [samples, vocab_out]. 0 on success; -1 for a
- * shape the kernels do not take, -3 for a block table or position outside the cache, -4 for an id or sample
- * row out of range. */
-int decoder_step(void *hidden, int f32, const int32_t *ints, int rows, const int32_t *tables, int tables_len,
-                 int num_blocks, const void *embedding, int emb_f32, int vocab, const void *cos, const void *sin,
-                 int positions, const int32_t *sample_rows, int samples, const float *final_weight, float final_eps,
-                 float *normed, const void *head, int head_format, const uint16_t *head_bias, int vocab_out, float *logits,
-                 const uint64_t *layers, int num_layers, int width, int heads, int kv_heads, int dim,
-                 int inter, int block_size, float eps, float scale, int threads) {
-    const int32_t *ids = ints, *pos = ints + rows, *table_off = ints + 2 * (long)rows;
-    if (rows < 1 || (emb_f32 && !f32) || width % LANES) return -1;
+ * weights just streamed through evicted the interpreter's caches); step_args (kernels.h) says what each argument
+ * holds. The embedding gives hidden's rows (the step's dtype, as decoder_layers); the rows run through the layers
+ * in pieces of up to 512, in order: a piece finds the K/V of those before it in the cache, as it would its own.
+ * Then, with final_weight (f32 only), the final norm of the sample rows into `normed`, and with `head` their
+ * logits. 0 on success; -1 for a shape the kernels do not take, -2 out of memory, -3 for a block table or
+ * position outside the cache, -4 for an id or sample row out of range, -5 for arguments of another build. */
+static int step(scratch *s, const step_args *a) {
+    const int rows = a->rows, width = a->width, f32 = a->f32;
+    const int32_t *ids = a->ints, *pos = a->ints + rows, *table_off = a->ints + 2 * (long)rows;
+    if (rows < 1 || (a->emb_f32 && !f32) || width % LANES) return -1;
     for (int t = 0; t < rows; t++) {
-        if (ids[t] < 0 || ids[t] >= vocab) return -4;
-        if (positions > 0 && pos[t] >= positions) return -3;
+        if (ids[t] < 0 || ids[t] >= a->vocab) return -4;
+        if (a->positions > 0 && pos[t] >= a->positions) return -3;
     }
-    for (int i = 0; i < samples; i++)
-        if (sample_rows[i] < 0 || sample_rows[i] >= rows) return -4;
+    for (int i = 0; i < a->samples; i++)
+        if (a->sample_rows[i] < 0 || a->sample_rows[i] >= rows) return -4;
     for (int t = 0; t < rows; t++) {
         const long from = (long)ids[t] * width, to = (long)t * width;
-        if (emb_f32) memcpy((float *)hidden + to, (const float *)embedding + from, sizeof(float) * width);
-        else if (!f32) memcpy((uint16_t *)hidden + to, (const uint16_t *)embedding + from, sizeof(uint16_t) * width);
+        if (a->emb_f32) memcpy((float *)a->hidden + to, (const float *)a->embedding + from, sizeof(float) * width);
+        else if (!f32) memcpy((uint16_t *)a->hidden + to, (const uint16_t *)a->embedding + from, sizeof(uint16_t) * width);
         else
             for (int i = 0; i < width; i += LANES)
-                store_f32((float *)hidden + to + i, load_bf16((const uint16_t *)embedding + from + i));
+                store_f32((float *)a->hidden + to + i, load_bf16((const uint16_t *)a->embedding + from + i));
     }
     const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
-    for (int a = 0; a < rows; a += 512) {
-        const int n = rows - a < 512 ? rows - a : 512;
-        const long skip = positions > 0 ? 0 : (long)a * dim;
-        int status = decoder_layers((char *)hidden + (long)a * width * elem, f32, (const char *)cos + skip * elem,
-                                    (const char *)sin + skip * elem, positions > 0, pos + a, table_off + a, tables,
-                                    tables_len, num_blocks, n, layers, num_layers, width, heads, kv_heads, dim, inter,
-                                    block_size, eps, scale, threads);
+    for (int at = 0; at < rows; at += 512) {
+        const int n = rows - at < 512 ? rows - at : 512;
+        const long skip = a->positions > 0 ? 0 : (long)at * a->dim;
+        int status = decoder_layers(s, (char *)a->hidden + (long)at * width * elem, f32, (const char *)a->cos + skip * elem,
+                                    (const char *)a->sin + skip * elem, a->positions > 0, pos + at, table_off + at,
+                                    a->tables, a->tables_len, a->num_blocks, n, a->layers, a->num_layers, width, a->heads,
+                                    a->kv_heads, a->dim, a->inter, a->block_size, a->eps, a->scale, a->threads);
         if (status != 0) return status;
     }
-    if (!final_weight || !f32) return 0;
-    for (int i = 0; i < samples; i++)
-        rms_norm_f32((const float *)hidden + (long)sample_rows[i] * width, final_weight, normed + (long)i * width, 1, width, final_eps);
-    if (!head || samples < 1) return 0;
-    for (int a = 0; a < samples; a += 512) {  /* the lm_head: logits [samples, vocab_out], fp32 */
-        const int n = samples - a < 512 ? samples - a : 512;
-        int status = any_linear(normed + (long)a * width, head, head_format, head_bias, logits + (long)a * vocab_out, n,
-                                vocab_out, width, width, vocab_out, threads, 1);
+    if (!a->final_weight || !f32) return 0;
+    for (int i = 0; i < a->samples; i++)
+        rms_norm_f32((const float *)a->hidden + (long)a->sample_rows[i] * width, a->final_weight,
+                     a->normed + (long)i * width, 1, width, a->final_eps);
+    if (!a->head || a->samples < 1) return 0;
+    for (int at = 0; at < a->samples; at += 512) { /* the lm_head: logits [samples, vocab_out], fp32 */
+        const int n = a->samples - at < 512 ? a->samples - at : 512;
+        int status = scratch_linear(s, a->normed + (long)at * width, a->head, a->head_format, a->head_bias,
+                                    a->logits + (long)at * a->vocab_out, n, a->vocab_out, width, width, a->vocab_out,
+                                    a->threads, 1);
         if (status != 0) return status;
     }
     return 0;
 }
 
+int decoder_step(const step_args *a) {
+    if (a->size != sizeof(step_args) || a->version != STEP_ARGS_VERSION) return -5;
+    scratch *s = scratch_take();
+    if (!s) return -2;
+    int status = step(s, a);
+    scratch_give(s);
+    return status;
+}
+
+/* Both structs' layouts as "struct size: field offset, ..." for native.py to compare with its ctypes mirror (an
+ * unknown field name here fails the build; a field missing here changes the size). */
+typedef struct { const char *name; size_t at; } field;
+#define AT(type, f) {#f, offsetof(type, f)}
+static const field layer_fields[] = {
+    AT(layer_weights, attn_norm), AT(layer_weights, qkv_w), AT(layer_weights, k_w), AT(layer_weights, v_w),
+    AT(layer_weights, qkv_b), AT(layer_weights, o_w), AT(layer_weights, o_b), AT(layer_weights, mlp_norm),
+    AT(layer_weights, gate_up_w), AT(layer_weights, up_w), AT(layer_weights, gate_up_b), AT(layer_weights, down_w),
+    AT(layer_weights, down_b), AT(layer_weights, k_cache), AT(layer_weights, v_cache), AT(layer_weights, qkv_fmt),
+    AT(layer_weights, k_fmt), AT(layer_weights, v_fmt), AT(layer_weights, o_fmt), AT(layer_weights, gate_up_fmt),
+    AT(layer_weights, up_fmt), AT(layer_weights, down_fmt)};
+static const field step_fields[] = {
+    AT(step_args, size), AT(step_args, version), AT(step_args, hidden), AT(step_args, ints), AT(step_args, tables),
+    AT(step_args, embedding), AT(step_args, cos), AT(step_args, sin), AT(step_args, sample_rows),
+    AT(step_args, final_weight), AT(step_args, normed), AT(step_args, head), AT(step_args, head_bias),
+    AT(step_args, logits), AT(step_args, layers), AT(step_args, f32), AT(step_args, rows), AT(step_args, tables_len),
+    AT(step_args, num_blocks), AT(step_args, emb_f32), AT(step_args, vocab), AT(step_args, positions),
+    AT(step_args, samples), AT(step_args, head_format), AT(step_args, vocab_out), AT(step_args, num_layers),
+    AT(step_args, width), AT(step_args, heads), AT(step_args, kv_heads), AT(step_args, dim), AT(step_args, inter),
+    AT(step_args, block_size), AT(step_args, threads), AT(step_args, final_eps), AT(step_args, eps), AT(step_args, scale)};
+
+static int describe(char *out, size_t room, const char *name, size_t size, const field *fields, size_t count) {
+    int used = snprintf(out, room, "%s %zu:", name, size);
+    for (size_t i = 0; i < count && used > 0 && (size_t)used < room; i++)
+        used += snprintf(out + used, room - used, " %s %zu", fields[i].name, fields[i].at);
+    return used;
+}
+
+const char *kernel_abi(void) {
+    static char text[2048];
+    int used = describe(text, sizeof text, "layer_weights", sizeof(layer_weights), layer_fields,
+                        sizeof layer_fields / sizeof *layer_fields);
+    describe(text + used, sizeof text - used, "; step_args", sizeof(step_args), step_fields,
+             sizeof step_fields / sizeof *step_fields);
+    return text;
+}

@@ -661,6 +661,8 @@ class Engine:
         self._fail_everything("The engine was shut down.")
         if hasattr(self.runner, "close"):
             self.runner.close()
+        if self._draw_kernels is not None:  # the kernels' scratch outlives steps, not models (scratch.c)
+            self._draw_kernels.trim()
 
     def close(self) -> None:
         """Stop the engine; replies in flight end with an error event. The scheduler is only ever touched by

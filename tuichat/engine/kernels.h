@@ -168,5 +168,78 @@ typedef struct {
 } __attribute__((packed)) tile_config;
 #endif
 
+/* Every function one file of the library defines for another or exports to Python, declared once here and
+ * included by every file, so that a signature changed on one side fails the build instead of a call. */
+
+/* scratch.c: the intermediates' memory, a pool the library owns (see there). A call takes one, reserves what
+ * each use needs (kept between calls, grown when short), and gives it back. */
+typedef struct scratch scratch;
+enum { SCRATCH_DECODER, SCRATCH_LINEAR, SCRATCH_SAMPLER, SCRATCH_USES };
+scratch *scratch_take(void);                                 /* NULL: out of memory */
+void scratch_give(scratch *s);
+void *scratch_reserve(scratch *s, int use, size_t need);     /* zeroed when new; NULL: out of memory */
+long kernels_trim(void);                                     /* frees what no call holds; bytes freed */
+long kernels_scratch_bytes(void);                            /* bytes the pool holds now */
+
+/* The linears (amx_linear.c, vector_linear.c). 0 on success; -1 a shape or format they do not take, -2 out of
+ * memory. */
+int amx_enable(void);
+int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads);
 int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                long x_stride, long y_stride, int threads);
+int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads, int f32);
+int scratch_linear(scratch *s, const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N,
+                   int K, long x_stride, long y_stride, int threads, int f32);
+const char *quant_math(int format, int K);
+const char *pack_layout(int format, int K);
+int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst);
+const char *kernel_isa(void);
+
+/* sampler.c */
+int sample_row(const float *logits, int n, const int64_t *reply, int replied, float frequency, float presence,
+               float temperature, float top_p, int top_k, double u);
+
+/* decoder.c: a layer's weights and cache, and a step's arguments, as structs native.py mirrors with ctypes.
+ * kernel_abi() spells out both layouts (field names and offsets), which native.py compares with its own before
+ * the first call, and decoder_step refuses a step_args whose size or version is not this build's. */
+#define STEP_ARGS_VERSION 1
+
+/* A layer: q/k/v and gate/up are one linear each (qkv_w, gate_up_w), or, where their parts' weights differ in
+ * format (a K-quant mix gives v more bits than q and k), parts: qkv_w then q alone, with k_w and v_w; gate_up_w
+ * gate alone, with up_w. The fused biases serve either way; a missing bias or part is NULL. */
+typedef struct {
+    const void *attn_norm, *qkv_w, *k_w, *v_w;
+    const uint16_t *qkv_b;
+    const void *o_w;
+    const uint16_t *o_b;
+    const void *mlp_norm, *gate_up_w, *up_w;
+    const uint16_t *gate_up_b;
+    const void *down_w;
+    const uint16_t *down_b;
+    uint16_t *k_cache, *v_cache;
+    int32_t qkv_fmt, k_fmt, v_fmt, o_fmt, gate_up_fmt, up_fmt, down_fmt;
+} layer_weights;
+
+typedef struct {
+    uint32_t size, version;       /* sizeof(step_args), STEP_ARGS_VERSION */
+    void *hidden;                 /* [rows, width], the step's dtype: bf16, or fp32 with f32 */
+    const int32_t *ints;          /* the rows' ids, then their positions, then where each row's table starts */
+    const int32_t *tables;        /* the block tables, tables_len ints, each < num_blocks */
+    const void *embedding;        /* [vocab, width], fp32 where emb_f32, else bf16 */
+    const void *cos, *sin;        /* [positions, dim] tables by position, or (positions 0) a row each */
+    const int32_t *sample_rows;   /* the rows whose logits are wanted, samples of them */
+    const float *final_weight;    /* f32 only: the final norm's weight, or NULL */
+    float *normed;                /* [samples, width]: the final norm's output */
+    const void *head;             /* the lm_head (any_linear's formats, vocab_out rows), or NULL */
+    const uint16_t *head_bias;
+    float *logits;                /* [samples, vocab_out] */
+    const layer_weights *layers;  /* num_layers of them */
+    int32_t f32, rows, tables_len, num_blocks, emb_f32, vocab, positions, samples, head_format, vocab_out;
+    int32_t num_layers, width, heads, kv_heads, dim, inter, block_size, threads;
+    float final_eps, eps, scale;
+} step_args;
+
+int decoder_step(const step_args *a);
+const char *kernel_abi(void);

@@ -90,7 +90,45 @@ def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> No
 
 # decoder_step's failures (decoder.c).
 _FAILURES = {-1: "a shape the kernels do not take", -2: "out of memory",
-             -3: "a block table or position outside the cache", -4: "a token id or sampled row out of range"}
+             -3: "a block table or position outside the cache", -4: "a token id or sampled row out of range",
+             -5: "arguments laid out for another build of the kernels"}
+
+_P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class LayerWeights(ctypes.Structure):
+    """decoder.c's layer_weights (kernels.h): one layer's weights, biases, norms and cache by address."""
+
+    _fields_ = [(name, _P) for name in ("attn_norm", "qkv_w", "k_w", "v_w", "qkv_b", "o_w", "o_b", "mlp_norm",
+                                        "gate_up_w", "up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + [
+        (name, _I32) for name in ("qkv_fmt", "k_fmt", "v_fmt", "o_fmt", "gate_up_fmt", "up_fmt", "down_fmt")]
+
+
+class StepArgs(ctypes.Structure):
+    """decoder.c's step_args (kernels.h): what decoder_step reads."""
+
+    VERSION = 1  # kernels.h's STEP_ARGS_VERSION
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (name, _P) for name in ("hidden", "ints", "tables", "embedding", "cos", "sin", "sample_rows", "final_weight",
+                                "normed", "head", "head_bias", "logits", "layers")] + [
+        (name, _I32) for name in ("f32", "rows", "tables_len", "num_blocks", "emb_f32", "vocab", "positions", "samples",
+                                  "head_format", "vocab_out", "num_layers", "width", "heads", "kv_heads", "dim", "inter",
+                                  "block_size", "threads")] + [(name, _F32) for name in ("final_eps", "eps", "scale")]
+
+
+def abi() -> str:
+    """The two structs' layouts as decoder.c's kernel_abi() spells them."""
+    def describe(name: str, struct) -> str:
+        fields = " ".join(f"{field} {getattr(struct, field).offset}" for field, _ in struct._fields_)
+        return f"{name} {ctypes.sizeof(struct)}: {fields}"
+    return f"{describe('layer_weights', LayerWeights)}; {describe('step_args', StepArgs)}"
+
+
+def check_abi(kernel: CpuKernels) -> None:
+    """Refuse a library whose structs are not laid out as ours: every field would be read from the wrong place."""
+    theirs = kernel.abi
+    if theirs != abi():
+        raise RuntimeError(f"decoder.c's structs differ from native.py's:\n  C:      {theirs}\n  Python: {abi()}")
 
 # RoPE variants whose cos/sin at a position depend on that position alone ("dynamic" and "longrope" rescale with
 # the longest position seen): their values can be computed once and looked up.
@@ -165,13 +203,10 @@ class NativeDecoder:
         head = model.lm_head
         # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
         self.head = packed.get("lm_head") or (PackedWeight.of(head.weight) if CpuKernels.fits(head.weight, head.bias) else None)
+        check_abi(kernel)
         self._fn = kernel.library.decoder_step
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
-                             + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 7
-                             + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
+        self._fn.argtypes = [ctypes.POINTER(StepArgs)]
         self.num_blocks = kv.k[0].shape[0] // block_size
         if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
                or l.self_attn.scaling != self.scale for l in layers):
@@ -179,7 +214,7 @@ class NativeDecoder:
         s = self.shape
         qkv, cache = (s.heads + 2 * s.kv_heads) * s.head_dim, (self.num_blocks * block_size, s.kv_heads, s.head_dim)
         self.weights: list[PackedWeight] = []  # what each step reads, in decoder.c's order (and the lm_head)
-        addresses = []
+        table = (LayerWeights * len(layers))()
 
         def linear(i: int, names: list[str], sizes: list[int], width: int, bf16) -> list[PackedWeight]:
             """The linear as one weight (its parts' blocks joined, or the model's bf16), or, where its parts'
@@ -197,7 +232,7 @@ class NativeDecoder:
             return weights
 
         kv_rows = s.kv_heads * s.head_dim
-        for i, layer in enumerate(layers):  # the order of decoder.c's enum, each with the shape decoder.c assumes
+        for i, layer in enumerate(layers):  # each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
             qkv_parts = linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                [s.heads * s.head_dim, kv_rows, kv_rows], s.hidden, attn.fused_q_k_v)
@@ -210,31 +245,40 @@ class NativeDecoder:
             if packed:
                 norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]
                 self._norms += norms
-            expected = [
-                (norms[0], (s.hidden,)), (qkv_w.data, None), (attn.fused_q_k_v.bias, (qkv,)),
-                (o_w.data, None), (attn.o_proj.bias, (s.hidden,)), (norms[1], (s.hidden,)),
-                (gate_up_w.data, None), (mlp.fused_gate_up.bias, (2 * s.intermediate,)), (down_w.data, None),
-                (mlp.down_proj.bias, (s.hidden,)), (kv.k[i], cache), (kv.v[i], cache),
-            ]
-            for tensor, shape in expected:
-                if tensor is not None and shape is not None:
-                    dtype = (self.kv_dtype if tensor is kv.k[i] or tensor is kv.v[i]
-                             else torch.float32 if any(tensor is n for n in norms) and packed else torch.bfloat16)
+            norm_dtype = torch.float32 if packed else torch.bfloat16
+            for tensor, shape, dtype in [
+                (norms[0], (s.hidden,), norm_dtype), (attn.fused_q_k_v.bias, (qkv,), torch.bfloat16),
+                (attn.o_proj.bias, (s.hidden,), torch.bfloat16), (norms[1], (s.hidden,), norm_dtype),
+                (mlp.fused_gate_up.bias, (2 * s.intermediate,), torch.bfloat16),
+                (mlp.down_proj.bias, (s.hidden,), torch.bfloat16), (kv.k[i], cache, self.kv_dtype),
+                (kv.v[i], cache, self.kv_dtype),
+            ]:
+                if tensor is not None:
                     _check(tensor, shape, f"layer {i}", dtype)
-            addresses += [0 if t is None else t.data_ptr() for t, _ in expected]
-            addresses += [w.format for w in (qkv_w, o_w, gate_up_w, down_w)]
-            for extra in (qkv_parts[1:] or [None, None]) + (gate_up_parts[1:] or [None]):  # decoder.c's K_W, V_W, UP_W
-                addresses += [0, 0] if extra is None else [extra.data.data_ptr(), extra.format]
+            k_w, v_w = qkv_parts[1:] or (None, None)
+            linears = {"qkv_w": qkv_w, "k_w": k_w, "v_w": v_w, "o_w": o_w, "gate_up_w": gate_up_w,
+                       "up_w": gate_up_parts[1] if len(gate_up_parts) > 1 else None, "down_w": down_w}
+            tensors = {"attn_norm": norms[0], "mlp_norm": norms[1], "qkv_b": attn.fused_q_k_v.bias,
+                       "o_b": attn.o_proj.bias, "gate_up_b": mlp.fused_gate_up.bias, "down_b": mlp.down_proj.bias,
+                       "k_cache": kv.k[i], "v_cache": kv.v[i]}
+            table[i] = LayerWeights(  # fields left out (a bias, a part) stay NULL
+                **{name: w.data.data_ptr() for name, w in linears.items() if w is not None},
+                **{name.removesuffix("_w") + "_fmt": w.format for name, w in linears.items() if w is not None},
+                **{name: t.data_ptr() for name, t in tensors.items() if t is not None})
             self.weights += weights
         if self.head is not None:
             self.weights.append(self.head)
-        # The parameters and the cache never move after this, so their addresses are taken once.
-        self._layers = torch.tensor(addresses, dtype=torch.uint64)
-        self._model_args = (self._layers.data_ptr(), len(layers), s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate,
-                            block_size, self.eps, self.scale)
+        # The parameters and the cache never move after this, so their addresses are taken once; a step sets only
+        # what changes from step to step.
+        self._table = table
         bias = model.lm_head.bias
-        self._no_head = (None, 0, None, 0)
-        self._head_args = self._no_head if self.head is None else (
+        self._args = StepArgs(
+            size=ctypes.sizeof(StepArgs), version=StepArgs.VERSION, layers=ctypes.addressof(table),
+            num_layers=len(layers), width=s.hidden, heads=s.heads, kv_heads=s.kv_heads, dim=s.head_dim,
+            inter=s.intermediate, block_size=block_size, eps=self.eps, scale=self.scale, f32=int(self.every_step),
+            num_blocks=self.num_blocks, final_eps=self.final_eps,
+            final_weight=self.final_norm.data_ptr() if self.final_norm is not None else None)
+        self._head = (None, 0, None, 0) if self.head is None else (
             self.head.data.data_ptr(), self.head.format, None if bias is None else bias.data_ptr(), self.head.out_features)
         self._checked_embedding = None
 
@@ -290,15 +334,16 @@ class NativeDecoder:
         # With packed weights the final norm and the lm_head run in the same call (fp32 logits straight out).
         fused = self.final_norm is not None and samples > 0
         last = torch.empty(samples, shape.hidden) if fused else None
-        head = self._head_args if fused else self._no_head
-        logits = torch.empty(samples, head[3]) if fused and head[0] is not None else None
-        status = self._fn(
-            hidden.data_ptr(), int(self.every_step), base, n, base + 4 * (3 * n + samples), len(tables),
-            self.num_blocks, embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0],
-            cos.data_ptr(), sin.data_ptr(), by_position, base + 4 * 3 * n, samples,
-            self.final_norm.data_ptr() if fused else None, self.final_eps, last.data_ptr() if fused else None,
-            *head, logits.data_ptr() if logits is not None else None, *self._model_args, torch.get_num_threads(),
-        )
+        head, head_format, head_bias, vocab_out = self._head if fused else (None, 0, None, 0)
+        logits = torch.empty(samples, vocab_out) if head is not None else None
+        a = self._args
+        a.hidden, a.ints, a.rows, a.tables, a.tables_len = hidden.data_ptr(), base, n, base + 4 * (3 * n + samples), len(tables)
+        a.embedding, a.emb_f32, a.vocab = embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0]
+        a.cos, a.sin, a.positions = cos.data_ptr(), sin.data_ptr(), by_position
+        a.sample_rows, a.samples, a.normed = base + 4 * 3 * n, samples, last.data_ptr() if fused else None
+        a.head, a.head_format, a.head_bias, a.vocab_out = head, head_format, head_bias, vocab_out
+        a.logits, a.threads = logits.data_ptr() if logits is not None else None, torch.get_num_threads()
+        status = self._fn(a)
         if status != 0:
             raise RuntimeError(f"decoder_step failed for {n} rows: {_FAILURES.get(status, status)}")
         if not sample_rows:

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by Cephes' expf polynomial,
  * times 2^n built in the exponent bits; 0 below float's normal range. Plain C, so that the loop over a row
  * vectorizes for whatever -march the library is built for. */
@@ -38,27 +40,24 @@ static int likelier(const void *a, const void *b) {
 
 #define BLOCK 1024 /* sampler.py's _BLOCK: weights summed in float per block, the blocks in double */
 
-/* The calling thread's scratch, grown as needed: no allocation per token. */
-static __thread struct {
+/* A row's working arrays, in one SCRATCH_SAMPLER region: weights, candidates, block sums, marks. */
+typedef struct {
     float *weights;
     candidate *candidates;
     double *blocks;
-    unsigned char *seen;
-    int size;
-} scratch;
+    unsigned char *seen; /* all clear between calls: each call clears the marks it set */
+} row_scratch;
 
-static int grow(int n) {
-    if (n <= scratch.size) return 0;
-    free(scratch.weights);
-    free(scratch.candidates);
-    free(scratch.blocks);
-    free(scratch.seen);
-    scratch.weights = malloc(sizeof(float) * (size_t)n);
-    scratch.candidates = malloc(sizeof(candidate) * (size_t)n);
-    scratch.blocks = malloc(sizeof(double) * (size_t)(n / BLOCK + 1));
-    scratch.seen = calloc((size_t)n, 1);
-    scratch.size = scratch.weights && scratch.candidates && scratch.blocks && scratch.seen ? n : 0;
-    return scratch.size ? 0 : -1;
+static int reserve(scratch *s, int n, row_scratch *r) {
+    const size_t weights = sizeof(float) * (size_t)n, candidates = sizeof(candidate) * (size_t)n;
+    const size_t blocks = sizeof(double) * (size_t)(n / BLOCK + 1);
+    char *memory = scratch_reserve(s, SCRATCH_SAMPLER, blocks + candidates + weights + (size_t)n);
+    if (!memory) return -1;
+    r->blocks = (double *)memory; /* the widest alignment first */
+    r->candidates = (candidate *)(memory + blocks);
+    r->weights = (float *)(memory + blocks + candidates);
+    r->seen = (unsigned char *)(memory + blocks + candidates + weights);
+    return 0;
 }
 
 /* The first index of w[0, n) whose running sum passes target (the last if none does). */
@@ -73,9 +72,8 @@ static int passing(const float *w, int n, double target) {
  * frequency times each token's count in `reply` and presence once for each token it holds (OpenAI's
  * penalties; ids past the row are not the model's and are skipped), then temperature, top_k (0: off) and top_p
  * (1: off). -1 when out of memory. */
-int sample_row(const float *logits, int n, const int64_t *reply, int replied, float frequency, float presence,
-               float temperature, float top_p, int top_k, double u) {
-    if (grow(n)) return -1;
+static int draw(row_scratch scratch, const float *logits, int n, const int64_t *reply, int replied, float frequency,
+                float presence, float temperature, float top_p, int top_k, double u) {
     float *w = scratch.weights;
     memcpy(w, logits, sizeof(float) * (size_t)n);
     if (frequency != 0.0f || presence != 0.0f) {
@@ -152,4 +150,14 @@ int sample_row(const float *logits, int n, const int64_t *reply, int replied, fl
     for (int i = 0; i < size; i++)
         if ((running += kept[i].weight) > target) return kept[i].id;
     return kept[size - 1].id;
+}
+
+int sample_row(const float *logits, int n, const int64_t *reply, int replied, float frequency, float presence,
+               float temperature, float top_p, int top_k, double u) {
+    scratch *s = scratch_take();
+    row_scratch r;
+    int token = s && reserve(s, n, &r) == 0 ? draw(r, logits, n, reply, replied, frequency, presence, temperature,
+                                                   top_p, top_k, u) : -1;
+    scratch_give(s);
+    return token;
 }

@@ -645,10 +645,8 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
     }
 }
 
-/* The quantized inputs of the calling thread's last call, grown as needed: no allocation per step. */
-static __thread struct { void *memory; size_t size; } scratch;
-
-static int tiled_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+/* The quantized inputs live in the call's scratch (SCRATCH_LINEAR): no allocation per step. */
+static int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                         int K, long x_stride, long y_stride, int threads, int f32) {
     const int blocks = K / 32;
     const long tile_bytes = (long)blocks * tiled_block_bytes(format);
@@ -657,14 +655,9 @@ static int tiled_linear(const void *x, const uint8_t *w, int format, const uint1
     const int own_copy = M <= OWN_COPY_ROWS;
     const size_t copy = ((size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks + 63) / 64 * 64;
     const size_t need = copy * (own_copy ? threads : 1);
-    if (need > scratch.size) {
-        free(scratch.memory);
-        scratch.memory = malloc(need);
-        scratch.size = scratch.memory ? need : 0;
-        if (!scratch.memory) return -2;
-    }
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, need);  /* with own_copy, a part for each worker */
+    if (!memory) return -2;
     const int full = M / TILED_MR * TILED_MR;
-    char *memory = scratch.memory;  /* the calling thread's: each worker has a scratch of its own */
     #pragma omp parallel num_threads(threads)
     {
     float *dx = (float *)(memory + (own_copy ? copy * omp_get_thread_num() : 0));
@@ -733,13 +726,13 @@ static inline int tiled_path(int K) { (void)K; return 0; }
 #endif
 
 /* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks; x and y bf16, or fp32 with f32. */
-static int quantized_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+static int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                             int K, long x_stride, long y_stride, int threads, int f32) {
     format = same_layout(format);
     if (M < 1 || M > 512 || K % 32 || N % 16 || K / 32 > MAX_BLOCKS) return -1;
     if (!block_bytes(format) && !(from_k_quant(format) && tiled_path(K))) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (tiled_path(K)) return tiled_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
+    if (tiled_path(K)) return tiled_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
 #ifdef __AVX2__
     if (int8_path(format, K)) return int8_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
@@ -791,9 +784,6 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     return 0;
 }
 
-int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads);
-
 /* The bf16 linear every caller uses: AMX where the build has it, the vector kernel elsewhere. */
 int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                long x_stride, long y_stride, int threads) {
@@ -805,10 +795,11 @@ int cpu_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
 }
 
 /* Any weight format: bf16 (30) or a GGUF quantization (2, 3, 8). x and y are bf16, or with f32 fp32 (the
- * activations of the quantized path, as llama.cpp keeps them); a bf16 weight then reads x rounded to bf16. */
-int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
-               long x_stride, long y_stride, int threads, int f32) {
-    if (format != FMT_BF16) return quantized_linear(x, (const uint8_t *)w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
+ * activations of the quantized path, as llama.cpp keeps them); a bf16 weight then reads x rounded to bf16.
+ * Intermediates in s. */
+int scratch_linear(scratch *s, const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N,
+                   int K, long x_stride, long y_stride, int threads, int f32) {
+    if (format != FMT_BF16) return quantized_linear(s, x, (const uint8_t *)w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
     if (!f32) return cpu_linear(x, (const uint16_t *)w, bias, y, M, N, K, x_stride, y_stride, threads);
     if (M < 1 || M > 512 || K % 32 || N % 16) return -1;
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)M * K), *yb = malloc(sizeof(uint16_t) * (size_t)M * N);
@@ -820,6 +811,16 @@ int any_linear(const void *x, const void *w, int format, const uint16_t *bias, v
         for (int n = 0; n < N; n += LANES) store_f32((float *)y + m * y_stride + n, load_bf16(yb + (long)m * N + n));
     free(xb);
     free(yb);
+    return status;
+}
+
+/* scratch_linear with a scratch of the pool's: the export for Python. */
+int any_linear(const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
+               long x_stride, long y_stride, int threads, int f32) {
+    scratch *s = scratch_take();
+    if (!s) return -2;
+    int status = scratch_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
+    scratch_give(s);
     return status;
 }
 
