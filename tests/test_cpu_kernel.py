@@ -153,6 +153,52 @@ def test_failed_build_falls_back_to_torch_with_a_reason(fresh_load, monkeypatch,
     assert kernel is None and "build failed" in why
 
 
+def test_a_missing_compiler_named_by_cc_falls_back_with_its_name(fresh_load, monkeypatch, tmp_path):
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert not cpu_kernel.build_pending()  # nothing to build with: no progress promised
+    kernel, why = fresh_load()
+    assert kernel is None and "no-such-cc" in why and "not an executable" in why
+    assert not cpu_kernel.available()
+
+
+def test_a_failed_compile_says_its_error_lines(fresh_load, monkeypatch, tmp_path):
+    """The message keeps what the compiler said was wrong, not its last line (often "compilation terminated")."""
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\n"
+                  "echo 'decoder.c:12:3: error: unknown type name vf' >&2\necho 'compilation terminated.' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    kernel, why = fresh_load()
+    assert kernel is None and "decoder.c:12:3: error: unknown type name vf" in why
+
+
+def test_a_compile_that_hangs_is_given_up(fresh_load, monkeypatch, tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake 1.0; exit 0; }\nexec sleep 60\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_kernel, "BUILD_TIMEOUT_S", 1)
+    kernel, why = fresh_load()
+    assert kernel is None and "took over 1 s" in why
+
+
+def test_without_kernels_the_dtype_is_what_torch_runs_best(fresh_load, monkeypatch, tmp_path):
+    """A build that fails decides the dtype as having no kernels does: bf16 only where torch has native bf16."""
+    from tuichat.engine import loader
+
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(loader, "cpu_flags", lambda: set())  # a CPU without native bf16 dot products
+    assert loader.resolve_dtype("auto", torch.device("cpu"), "llama") is torch.float32
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "built"))
+    fresh_load.cache_clear()
+    assert loader.resolve_dtype("auto", torch.device("cpu"), "llama") is torch.bfloat16
+
+
 def test_a_first_build_is_announced(fresh_load, monkeypatch, tmp_path):
     """The first build takes seconds: the backend shows progress when build_pending() says one is coming."""
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))

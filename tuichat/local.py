@@ -150,13 +150,16 @@ class LocalBackend:
             if (loaded := self._ready(resolved.name)) is not None:
                 loaded.last_used = time.monotonic()
                 return resolved.name
-            from tuichat.engine import loader
+            from tuichat.engine import cpu_kernel, loader, native
             from tuichat.engine.engine import Engine, EngineConfig, recommended_sampling
 
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
             device = loader.resolve_device(self.options.device)
             family = loader.family(resolved, progress)
+            # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
+            if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and cpu_kernel.build_pending():
+                loader.report(progress, "Building tuichat's CPU kernels (once)")
             dtype = loader.resolve_dtype(self.options.dtype, device, family)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
@@ -164,11 +167,7 @@ class LocalBackend:
             config = EngineConfig(**serving, quant_cache=quant_cache, quant_source=loader.checkpoint_dir(resolved))
             import torch
 
-            from tuichat.engine import cpu_kernel, native
-
             kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run
-            if kernels and cpu_kernel.build_pending():
-                loader.report(progress, "Building tuichat's CPU kernels (once)")
             if (kernels and family in native.SUPPORTED_MODEL_TYPES and self.options.tp == 1 and quant_cache is not None
                     and not quant_cache.is_file()):
                 loader.report(progress, f"Quantizing {resolved.name} to {self.options.quant} (first use only)")
