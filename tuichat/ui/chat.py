@@ -123,7 +123,9 @@ class ChatTab(TabPane):
 
     @property
     def busy(self) -> bool:
-        return self._turn is not None and self._turn.is_running
+        """A turn is under way: from its reply stored until its worker ends (a worker not started yet counts:
+        the next Enter of a paste may come before it starts)."""
+        return self.runner.replying or (self._turn is not None and not self._turn.is_finished)
 
     def _tabbed(self) -> TabbedContent:
         return self.query_ancestor(TabbedContent)
@@ -213,6 +215,8 @@ class ChatTab(TabPane):
 
     async def on_prompt_submitted(self, event: Prompt.Submitted) -> None:
         event.stop()
+        if not self.is_attached:  # the app is ending: what was typed before goes nowhere, as its keys do
+            return
         if self.busy:
             self.prompt.restore(event.text)
             self.notify("A reply is still coming: Esc stops it.", severity="warning")
@@ -240,9 +244,11 @@ class ChatTab(TabPane):
             if sent is not None:
                 await self.log_view.add(sent, room=2)
             await self.log_view.add(reply)
-        except MountError:
-            # The app began to end while the turn waited for the screen (behind a paste's keys, say): nothing
-            # mounts from then on, and the app, ending, stores the reply as stopped.
+        except MountError:  # nothing mounts once the app is ending
+            return
+        if not self.is_attached:
+            # The app began to end while the turn waited for the screen (behind a paste's keys, say): no stream
+            # for widgets on their way out; the app, ending, stores the reply as stopped.
             return
         self.log_view.anchor()  # a new turn always follows, even if the user had scrolled up
         self.meter.start(t_enter)
@@ -284,13 +290,15 @@ class ChatTab(TabPane):
         # Backend failures are caught in TurnRunner.stream; what gets here is a bug of ours. Say so, and free
         # the tab for the next message rather than leave it "busy" forever.
         if event.worker is self._turn and event.state == WorkerState.ERROR:
+            self.runner.abandon()
             self._turn = None
             self._refresh_label()
             self.notify(f"{event.worker.error!r}", title="tuichat bug: the reply failed", severity="error")
 
     def stop(self) -> bool:
-        """Stop the reply in flight; its text so far stays, marked stopped. False if there was none."""
-        if not self.busy:
+        """Stop the reply in flight; its text so far stays, marked stopped. False if there was none (or it is
+        not streaming yet: its widgets are still being mounted)."""
+        if self._turn is None or self._turn.is_finished:
             return False
         self.runner.stop()
         self._turn.cancel()

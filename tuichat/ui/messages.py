@@ -79,11 +79,14 @@ class AssistantMessage(Vertical):
         self._unpainted: list[str] = []  # streamed chunks not yet given to the Markdown widget
         self._paint_timer: Timer | None = None
         self._pacer = pacer  # a reply that streams has one; without, every chunk is painted at once
+        # Held, not queried: a reply mounted as the app ends mounts without its children.
+        self._role = Static(self.model, classes="role", markup=False)
+        self._status = Static(classes="status", markup=False)
 
     def compose(self):
-        yield Static(self.model, classes="role", markup=False)
+        yield self._role
         yield Markdown(self.text)
-        yield Static(classes="status", markup=False)
+        yield self._status
 
     def on_mount(self) -> None:
         self._show_status()
@@ -100,7 +103,7 @@ class AssistantMessage(Vertical):
 
     def set_model(self, model: str) -> None:
         self.model = model
-        self.query_one(".role", Static).update(model)
+        self._role.update(model)
 
     async def append(self, text: str, *, paint: bool = True) -> None:
         """Add a chunk. It is painted at once if the paint pacer says a paint is due, else by a
@@ -155,7 +158,7 @@ class AssistantMessage(Vertical):
         self._show_status()
 
     def _show_status(self) -> None:
-        status = self.query_one(".status", Static)
+        status = self._status
         cut = self.status != "error" and self.detail is not None
         if self.status == "error":
             status.update(f"⚠ {self.error or 'failed'}")

@@ -138,6 +138,11 @@ class TurnRunner:
         self._services.open_turns.add(self)
         return self._open
 
+    @property
+    def replying(self) -> bool:
+        """A reply is stored as streaming and not ended yet."""
+        return self._open is not None
+
     def abandon(self) -> None:
         """Store the open reply, if any, as stopped with its text so far: nothing else will end it (the app is
         ending, whatever became of the turn's task and widgets). Its turn's later writes go nowhere."""
