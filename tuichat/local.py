@@ -31,6 +31,7 @@ from tuichat.backend import (
     StreamEvent,
     Usage,
 )
+from tuichat.engine.heap import settle_heap
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
 # Conversations whose last turn's ids are kept for the next: every tab, and a server's recent requests (each
@@ -178,6 +179,7 @@ class LocalBackend:
                     engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
                     recommended_sampling(weights),
                 )
+            settle_heap()  # the load's transient buffers (packing, conversion) back to the system
             return resolved.name
 
     def _acquire(self, name: str) -> _Loaded | None:
@@ -199,6 +201,8 @@ class LocalBackend:
         if loaded is not None:
             loaded.engine.close()
             self._conversations = OrderedDict((k, c) for k, c in self._conversations.items() if c.model != name)
+            del loaded
+            settle_heap()  # the model's weights, cache and reference cycles back to the system
 
     def _evict_idle(self) -> None:
         """Make room for one more model: close the least recently used engines that no stream holds."""

@@ -51,9 +51,10 @@ class ServePeer(LoopbackServer):
             self.close()
             raise
 
-    def generate(self, messages: Sequence[Message], max_tokens: int) -> RequestResult:
-        """One streamed greedy reply; the usage chunk gives the tokens (EOS included) and the cache hit."""
-        body = {"model": self.model, "messages": [{"role": m.role, "content": m.content} for m in messages],
+    def generate(self, messages: Sequence[Message], max_tokens: int, model: str | None = None) -> RequestResult:
+        """One streamed greedy reply (from `model`, else the served one); the usage chunk gives the tokens (EOS
+        included) and the cache hit."""
+        body = {"model": model or self.model, "messages": [{"role": m.role, "content": m.content} for m in messages],
                 "temperature": 0, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
         result = RequestResult(submitted=time.perf_counter())
         times, pieces, usage, finish = [], [], None, None
