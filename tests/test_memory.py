@@ -44,4 +44,6 @@ def test_rss_returns_after_model_switches(serve, tmp_path):
     load buffers stayed in the C heap, ~75 MB a switch here, until the heap was trimmed after each."""
     models = [str(shutil.copy(embedded_gguf(), tmp_path / f"model-{name}.gguf")) for name in "abc"]
     samples = model_switches(serve(models[0]), models, count=6)
-    assert max(samples) - samples[0] < 100, f"RSS (MB) by switch: {[round(s) for s in samples]}"
+    # Back where it started (the issue's measure): the lower of the last two, since a switch's own load may
+    # still hold pages the next one returns. Without the trim it ends hundreds of MB up.
+    assert min(samples[-2:]) - samples[0] < 100, f"RSS (MB) by switch: {[round(s) for s in samples]}"
