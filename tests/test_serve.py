@@ -5,8 +5,10 @@ HTTP for the SSE framing; its /metrics read by prometheus_client's own parser.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import SERVE_KEY as KEY
-from tests.helpers import hf_greedy, template_ids, wait_until
+from tests.helpers import free_port, hf_greedy, server_process, template_ids, wait_until
+from tuichat import catalog
 from tuichat.backend import Message, SamplingParams
 
 def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
@@ -29,6 +32,26 @@ def expected_reply(embedded, question: str, max_tokens: int) -> tuple[str, int]:
     prompt = template_ids(tokenizer, [Message("user", question)])
     ids = hf_greedy(reference, prompt, max_tokens, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(ids, skip_special_tokens=True), len(prompt)
+
+
+# A plain completion that runs until its client leaves: the embedded model's greedy continuation of this count
+# (float32, as the server fixture runs it) went past 800, some 3,500 tokens, without an end when it was chosen.
+ENDLESS = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,", "max_tokens": 4000,
+           "temperature": 0, "stream": True}
+
+
+@contextlib.contextmanager
+def running_request(base: str):
+    """A streamed request in the engine's running batch from the moment this yields (its first piece of text
+    has arrived) until the block ends (its client goes away); then the server is idle again."""
+    with httpx.stream("POST", f"{base}/v1/completions", json=ENDLESS, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held until the block ends: a reader dropped mid-stream closes the connection
+        while not next(lines).startswith("data: "):
+            pass
+        yield
+    wait_until(lambda: metrics(base)["tuichat:num_requests_running{}"] == 0, "the request to be cancelled", timeout=30)
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -100,24 +123,61 @@ def test_the_api_key_is_required_on_v1_only(server):
     assert httpx.get(f"{server}/health").status_code == 200  # a load balancer's probe needs no key
 
 
-def test_models_lists_the_embedded_model(server):
+def test_models_lists_the_served_model_first(server):
     async def main():
         api = client(server)
         listed = await api.models.list()
         await api.close()
         return [m.id for m in listed.data]
 
-    assert "smollm2-135m" in asyncio.run(main())
+    listed = asyncio.run(main())
+    assert listed[0] == "smollm2-135m" and len(set(listed)) == len(listed)
+
+
+def test_a_gguf_served_from_another_folder_is_listed_first_and_answers_to_its_id(embedded, session_cache, tmp_path,
+                                                                                 monkeypatch):
+    """`tuichat serve --model ../models/chat-model.gguf` (a copy of the embedded model) from a folder of its own,
+    as a user runs it: GET /v1/models lists the file's id first, and the official client completes with that
+    id, as with the path it was given; the replies are transformers' own."""
+    models, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    models.mkdir()
+    elsewhere.mkdir()
+    shutil.copyfile(catalog.embedded_gguf(), models / "chat-model.gguf")
+    monkeypatch.chdir(elsewhere)  # the server's working directory: it holds no chat-model.gguf
+    port = free_port()
+    env = {**os.environ, "TUICHAT_CACHE_DIR": str(session_cache), "TUICHAT_CONFIG_DIR": str(tmp_path / "config"),
+           "TUICHAT_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
+    env.pop("TUICHAT_API_KEY", None)
+    argv = [sys.executable, "-m", "tuichat", "serve", "--model", "../models/chat-model.gguf", "--port", str(port),
+            "--dtype", "float32"]
+    text, _ = expected_reply(embedded, "Say hello.", 8)
+
+    async def main(base: str):
+        api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        listed = [m.id for m in (await api.models.list()).data]
+        replies = [await api.chat.completions.create(model=model, temperature=0, max_tokens=8,
+                                                     messages=[{"role": "user", "content": "Say hello."}])
+                   for model in (listed[0], "../models/chat-model.gguf")]
+        await api.close()
+        return listed, replies
+
+    with server_process(argv, port, tmp_path / "serve.log", env, "tuichat serve --model chat-model.gguf") as base:
+        listed, replies = asyncio.run(main(base))
+    assert listed[0] == "chat-model.gguf"
+    assert [(r.model, r.choices[0].message.content) for r in replies] == [("chat-model.gguf", text)] * 2
 
 
 @pytest.mark.parametrize("change, status, param", [
     ({"n": 2}, 400, "n"),
-    ({"presence_penalty": 3}, 400, None),
+    ({"presence_penalty": 3}, 400, "presence_penalty"),
     ({"model": "no-such-model"}, 404, "model"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ({"messages": []}, 400, "messages"),
     ({"max_tokens": "many"}, 400, "max_tokens"),
-    ({"temperature": -1}, 400, None),
+    ({"max_tokens": True}, 400, "max_tokens"),
+    ({"stop": 5}, 400, "stop"),
+    ({"temperature": -1}, 400, "temperature"),
 ])
 def test_bad_requests_get_openais_error_shape_and_the_server_keeps_serving(server, change, status, param):
     body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2, **change}
@@ -138,9 +198,11 @@ def test_malformed_json_is_a_400(server):
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_greedy_reply(server, embedded):
+    """Eight clients at once while another's request runs: that one is in the running batch before the first of
+    them is sent and still after the last has its reply (thousands of tokens from its end), so each of the eight
+    ran in a batch with it: a state the engine reports, not a moment a poll has to catch."""
     questions = ["Name a fruit.", "Name a colour.", "What is a cat?", "Say something kind."]
     expected = [expected_reply(embedded, q, 16)[0] for q in questions]
-    seen_running = []
 
     async def main():
         api = client(server)
@@ -150,47 +212,42 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_greedy_reply(serve
                                                       messages=[{"role": "user", "content": question}])
             return reply.choices[0].message.content
 
-        tasks = [asyncio.create_task(ask(q)) for q in questions * 2]
-        async with httpx.AsyncClient() as http:
-            while not all(t.done() for t in tasks):
-                text = (await http.get(f"{server}/metrics")).text
-                for family in text_string_to_metric_families(text):
-                    if family.name == "tuichat:num_requests_running":
-                        seen_running.append(max(s.value for s in family.samples))
-                await asyncio.sleep(0.02)
-        replies = [await t for t in tasks]
+        replies = await asyncio.gather(*(ask(q) for q in questions * 2))
         await api.close()
         return replies
 
-    assert asyncio.run(main()) == expected * 2
-    assert max(seen_running) > 1  # several HTTP clients ran in one batch
+    with running_request(server):
+        replies = asyncio.run(main())
+        still_running = metrics(server)["tuichat:num_requests_running{}"]
+    assert replies == expected * 2
+    assert still_running == 1  # the other request, from before the first of the eight to after the last
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(server):
-    """Closed after three chunks of a reply allowed 4,000 tokens: the engine stops it and frees its blocks, long
-    before such a reply could have finished."""
-    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 4000,
-            "stream": True}
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
-        lines = response.iter_lines()
-        for _ in range(6):  # three chunks and the blank lines between them
-            next(lines)
+    """A reply allowed 4,000 tokens and far from its end (a count it continues): once its client closes the
+    stream, the engine stops it and frees its blocks."""
+    with running_request(server):
         assert metrics(server)["tuichat:num_requests_running{}"] == 1
-    wait_until(lambda: metrics(server)["tuichat:num_requests_running{}"] == 0, "the request to be cancelled", timeout=30)
     assert metrics(server)["tuichat:kv_cache_usage_perc{}"] == 0
 
 
-def test_metrics_count_every_finished_request(server):
+def test_metrics_count_every_finished_request(server, embedded):
+    """The generated tokens /metrics counts are those of the replies, as transformers' greedy decoding writes
+    them (the EOS included, when a reply ends before its cap)."""
+    _, _, reference, tokenizer = embedded
+    questions = ["Say hello.", "Name a colour."]
+    expected = [len(hf_greedy(reference, template_ids(tokenizer, [Message("user", q)]), 12,
+                              eos_token_id=tokenizer.eos_token_id)) for q in questions]
     before = metrics(server)
-    for _ in range(2):
-        httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                   json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3})
+    replies = [httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0})
+               for q in questions]
     after = metrics(server)
+    assert [r.json()["usage"]["completion_tokens"] for r in replies] == expected
     count = "tuichat:time_to_first_token_seconds_count{}"
     assert after[count] - before.get(count, 0) == 2
     tokens = "tuichat:generation_tokens_total{}"
-    assert after[tokens] - before.get(tokens, 0) == 6
+    assert after[tokens] - before.get(tokens, 0) == sum(expected)
     assert after["tuichat:prefix_cache_hits_total{}"] <= after["tuichat:prefix_cache_queries_total{}"]
 
 
