@@ -43,6 +43,7 @@ def main() -> None:
         models = ["smollm2-135m"]
         if args.mode == "switch":
             models = [str(shutil.copy(embedded_gguf(), home / f"copy-{name}.gguf")) for name in "abc"]
+            os.chdir(home)  # serve looks a request's file up by its name from its working directory
         peer = ServePeer(models[0], EngineOptions(), [Message("user", "hello")])
         try:
             if args.mode == "cycles":

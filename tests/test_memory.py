@@ -39,10 +39,11 @@ def test_rss_stays_flat_over_idle_busy_cycles(serve):
     assert max(samples[2:]) - settled < 50, f"RSS (MB) by cycle: {[round(s) for s in samples]}"
 
 
-def test_rss_returns_after_model_switches(serve, tmp_path):
+def test_rss_returns_after_model_switches(serve, tmp_path, monkeypatch):
     """Three models, at most two loaded: each request loads one and unloads another. The freed weights and
     load buffers stayed in the C heap, ~75 MB a switch here, until the heap was trimmed after each."""
     models = [str(shutil.copy(embedded_gguf(), tmp_path / f"model-{name}.gguf")) for name in "abc"]
+    monkeypatch.chdir(tmp_path)  # serve looks a request's file up by its name from its working directory
     samples = model_switches(serve(models[0]), models, count=6)
     # Back where it started (the issue's measure): the lower of the last two, since a switch's own load may
     # still hold pages the next one returns. Without the trim it ends hundreds of MB up.
