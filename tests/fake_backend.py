@@ -42,11 +42,12 @@ class Tap:
         self.tokens = tokens  # the permits each stream starts with
         self._permits: dict[str, asyncio.Semaphore] = {}
 
-    def _of(self, conversation_id: str) -> asyncio.Semaphore:
-        return self._permits.setdefault(conversation_id, asyncio.Semaphore(self.tokens))
+    def open(self, conversation_id: str) -> None:
+        self._permits.setdefault(conversation_id, asyncio.Semaphore(self.tokens))
 
     async def wait(self, conversation_id: str) -> None:
-        await self._of(conversation_id).acquire()
+        self.open(conversation_id)
+        await self._permits[conversation_id].acquire()
 
     def allow(self, tokens: int) -> None:
         """`tokens` more for every stream that has started."""
@@ -101,6 +102,8 @@ class FakeBackend(DemoBackend):
         )
         # DemoBackend.stream adds it to in_flight before its first await.
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight | {conversation_id}))
+        if self.tap is not None:
+            self.tap.open(conversation_id)  # before its first token: a test that saw that token may allow the next
         async with aclosing(super().stream(conversation_id, messages, params, model)) as events:
             count = 0
             async for event in events:
