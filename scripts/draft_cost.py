@@ -78,7 +78,7 @@ def main() -> None:
     import torch
 
     from tuichat import catalog
-    from tuichat.backend import SamplingParams
+    from tuichat.backends.protocol import SamplingParams
     from tuichat.engine import loader
     from tuichat.engine.engine import Engine, EngineConfig
     from tuichat.engine.runner import StepChunk

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import TINY as TINY_CONFIGS
-from tuichat.backend import SamplingParams
+from tuichat.backends.protocol import SamplingParams
 from tuichat.catalog import resolve
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tuichat.backend import EngineOptions, Message, SamplingParams
-from tuichat.local import LocalBackend
+from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
+from tuichat.backends.local import LocalBackend
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "Give me three tips for sleeping better.",

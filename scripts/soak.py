@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tuichat.backend import EngineOptions, Message
+from tuichat.backends.protocol import EngineOptions, Message
 from tuichat.bench.peers.serve import ServePeer
 from tuichat.bench.soak import idle_cycles, model_switches
 from tuichat.catalog import embedded_gguf

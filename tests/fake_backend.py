@@ -9,7 +9,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from collections.abc import AsyncIterator, Sequence
 
-from tuichat.backend import BackendError, Message, SamplingParams, StreamEvent, Usage
+from tuichat.backends.protocol import TuichatError, Message, SamplingParams, StreamEvent, Usage
 from tuichat.ui.demo import DemoBackend
 
 
@@ -96,7 +96,7 @@ class FakeBackend(DemoBackend):
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         if model not in self.loaded:
-            raise BackendError(f"{model} was never loaded")
+            raise TuichatError(f"{model} was never loaded")
         self.calls.append(
             {"conversation_id": conversation_id, "messages": list(messages), "params": params, "model": model}
         )

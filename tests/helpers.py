@@ -190,7 +190,7 @@ PROMPTS = [[(7 * i + 3) % 300 + 5 for i in range(40)], [200, 7, 7, 31, 90, 4, 18
 
 
 def greedy(engine, prompts: list[list[int]], tokens: int = 10) -> list[list[int]]:
-    from tuichat.backend import SamplingParams
+    from tuichat.backends.protocol import SamplingParams
 
     seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0))
     return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
@@ -237,7 +237,7 @@ def replies_independent_of_batching(make_engine) -> tuple[list[list[int]], list[
     """Greedy replies, token for token, whether a prompt runs alone in chunks of 64, in chunks of a 10-token
     budget sharing steps with other prompts' decodes, or from the prefix cache. Returns (the prompts, their
     replies alone); the fourth prompt is 600 tokens long."""
-    from tuichat.backend import SamplingParams
+    from tuichat.backends.protocol import SamplingParams
 
     long_prompt = [(11 * i) % 300 + 7 for i in range(600)]
     prompts = [PROMPTS[0] + PROMPTS[2], PROMPTS[1], PROMPTS[2], long_prompt]

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from tests.helpers import until
-from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams, chat_sampling
-from tuichat.local import LocalBackend
+from tuichat.backends.protocol import TuichatError, EngineOptions, Message, SamplingParams, chat_sampling
+from tuichat.backends.local import LocalBackend
 
 LONG = SamplingParams(max_tokens=40)
 
@@ -93,7 +93,7 @@ def test_a_models_recommended_sampling_is_the_default_under_the_users(tiny_chat_
     assert chat_sampling(plain, {}) == SamplingParams(temperature=0.2, top_p=0.9, frequency_penalty=0.5)
     assert chat_sampling(recommended, {"temperature": 0}) == chat_sampling(plain, {"temperature": 0}) == SamplingParams()
     assert chat_sampling(plain, {"temperature": 0, "presence_penalty": 0.3}) == SamplingParams(presence_penalty=0.3)
-    with pytest.raises(BackendError, match="top_p must be"):
+    with pytest.raises(TuichatError, match="top_p must be"):
         chat_sampling(recommended, {"top_p": 0})
 
 
@@ -227,9 +227,9 @@ def test_over_long_and_empty_prompts_raise_clear_errors(tiny_chat_model):
     backend = LocalBackend(EngineOptions(dtype="float32"), default_model=tiny_chat_model)
 
     async def run():
-        with pytest.raises(BackendError, match="takes at most 511"):
+        with pytest.raises(TuichatError, match="takes at most 511"):
             await collect(backend.stream("c", user("word " * 600), LONG))
-        with pytest.raises(BackendError, match="empty"):
+        with pytest.raises(TuichatError, match="empty"):
             await collect(backend.stream("c", user("  "), LONG))
         ok = await collect(backend.stream("c", user("fine"), SamplingParams(max_tokens=3)))
         await backend.close()
@@ -240,7 +240,7 @@ def test_over_long_and_empty_prompts_raise_clear_errors(tiny_chat_model):
 
 def test_unknown_model_is_a_backend_error():
     backend = LocalBackend()
-    with pytest.raises(BackendError, match="Unknown model 'nonsense'"):
+    with pytest.raises(TuichatError, match="Unknown model 'nonsense'"):
         asyncio.run(backend.load("nonsense"))
 
 
@@ -251,7 +251,7 @@ def test_a_loaded_model_stays_out_of_the_collectors_walks_until_it_is_evicted(
     import shutil
     import weakref
 
-    from tuichat import local
+    from tuichat.backends import local
 
     monkeypatch.setattr(local, "MAX_LOADED_MODELS", 1)
     second = str(shutil.copytree(tiny_chat_model, tmp_path / "second"))

@@ -20,11 +20,11 @@ from click.testing import CliRunner
 
 from tests.helpers import RUNS_ON
 from tuichat import bench
-from tuichat.backend import CHAT_SAMPLING, BackendError, Message
+from tuichat.backends.protocol import CHAT_SAMPLING, TuichatError, Message
 from tuichat.bench.floor import BandwidthProbe
 from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
-from tuichat.local import chat_ids
+from tuichat.backends.local import chat_ids
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
             probes=1, stagger_ms=200, bandwidth_mb=16, spec_tokens=24)
@@ -326,7 +326,7 @@ def test_a_llama_server_that_cannot_start_says_why_and_is_gone(tmp_path):
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
     server.chmod(0o755)
-    with pytest.raises(BackendError, match="exited with status 3: error: failed to load model"):
+    with pytest.raises(TuichatError, match="exited with status 3: error: failed to load model"):
         bench.LlamaServerPeer(str(server), "/no/model.gguf", threads=1, slots=1, slot_ctx=512, warmup=[1])
 
 
@@ -404,7 +404,7 @@ def test_settings_and_lists_are_validated():
     assert bench.parse_list("none", bench.PEERS, "peer") == ()
     assert bench.parse_list("tabs, single,tabs", bench.SCENARIOS, "scenario") == ("tabs", "single")
     assert bench.parse_list("shared-prefix", bench.SCENARIOS, "scenario") == ("shared_prefix",)
-    with pytest.raises(BackendError, match="Unknown scenario"):
+    with pytest.raises(TuichatError, match="Unknown scenario"):
         bench.parse_list("single,bogus", bench.SCENARIOS, "scenario")
     quick, full = bench.BenchSettings.make(True), bench.BenchSettings.make(False)
     assert quick.turns < full.turns == 8 and quick.tabs == full.tabs == 8

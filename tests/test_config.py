@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tuichat.backend import BackendError, EngineOptions, SamplingParams
+from tuichat.backends.protocol import TuichatError, EngineOptions, SamplingParams
 from tuichat.config import DEFAULT_CONFIG_TOML, Config, config_path, load_config
 
 
@@ -199,14 +199,14 @@ def test_unreadable_file_gives_defaults_and_a_warning(tmp_path):
     ],
 )
 def test_sampling_params_reject_bad_values_with_a_message_naming_them(given, named):
-    with pytest.raises(BackendError, match=rf"^{named} must be .*, not {re.escape(repr(next(iter(given.values()))))}\.$"):
+    with pytest.raises(TuichatError, match=rf"^{named} must be .*, not {re.escape(repr(next(iter(given.values()))))}\.$"):
         SamplingParams(**given)
 
 
 def test_sampling_params_accept_the_edges_and_name_every_bad_value():
     SamplingParams(temperature=0, top_p=1, top_k=0, max_tokens=1, seed=0, stop=("", "x"))
     SamplingParams(temperature=2.5, top_p=1e-9, seed=2**64 - 1)
-    with pytest.raises(BackendError) as error:
+    with pytest.raises(TuichatError) as error:
         SamplingParams(top_p=0, max_tokens=0)
     assert "top_p" in str(error.value) and "max_tokens" in str(error.value)
 

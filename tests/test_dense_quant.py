@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
                       teacher_forced_error)
-from tuichat.backend import BackendError, EngineOptions
+from tuichat.backends.protocol import TuichatError, EngineOptions
 from tuichat.engine import quant
 from tuichat.engine.engine import Engine, EngineConfig
 
@@ -353,5 +353,5 @@ def test_a_bad_quant_mode_is_refused_with_the_choices(tmp_path, dense):
     assert config.engine.quant == "auto"
     assert warnings == [f'{path}: "engine.quant" must be one of "auto", "none", "int8", "int4", not "q4_k"; '
                         "using the default."]
-    with pytest.raises(BackendError, match=r"^Unknown quant 'int3': use auto, none, int8, int4\.$"):
+    with pytest.raises(TuichatError, match=r"^Unknown quant 'int3': use auto, none, int8, int4\.$"):
         engine(dense, "int3")

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tests.helpers import finished, hf_greedy, make_tiny, step_until, stepping
-from tuichat.backend import BackendError, SamplingParams
+from tuichat.backends.protocol import TuichatError, SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status
 
@@ -159,12 +159,12 @@ def test_cancel_stops_within_a_step_and_frees_blocks():
 def test_requests_that_can_never_run_fail_at_once():
     model, _ = make_tiny()
     engine = Engine(model, config=EngineConfig(num_blocks=4))
-    with pytest.raises(BackendError, match="KV cache holds 64"):
+    with pytest.raises(TuichatError, match="KV cache holds 64"):
         engine.submit(list(range(100)), GREEDY)
-    with pytest.raises(BackendError, match="empty"):
+    with pytest.raises(TuichatError, match="empty"):
         engine.submit([], GREEDY)
     big = Engine(make_tiny()[0], config=EngineConfig(num_blocks=200))
-    with pytest.raises(BackendError, match="at most 1023"):
+    with pytest.raises(TuichatError, match="at most 1023"):
         big.submit([1] * 1024, GREEDY)
     assert not engine.has_work() and not big.has_work()
 
@@ -339,5 +339,5 @@ def test_presence_and_frequency_penalties_are_openais_whatever_shares_the_batch(
 
 def test_penalties_out_of_openais_range_are_refused():
     for value in (2.5, -3, float("nan")):
-        with pytest.raises(BackendError, match="penalty"):
+        with pytest.raises(TuichatError, match="penalty"):
             SamplingParams(presence_penalty=value)

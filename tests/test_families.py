@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import finished, hf_greedy, step_until, stepping
-from tuichat.backend import BackendError, SamplingParams
+from tuichat.backends.protocol import TuichatError, SamplingParams
 from tuichat.engine import families
 from tuichat.engine.engine import Engine, EngineConfig
 
@@ -147,7 +147,7 @@ def _model(family: str, **overrides):
 
 @pytest.mark.parametrize("family", ["mamba", "gpt2", "falcon", "deepseek_v3", "mixtral"])
 def test_a_family_nobody_verified_is_refused_by_name(family):
-    with pytest.raises(BackendError, match=f"the {family} family is not one tuichat has verified"):
+    with pytest.raises(TuichatError, match=f"the {family} family is not one tuichat has verified"):
         Engine(_model(family), config=EngineConfig(num_blocks=8))
 
 
@@ -170,17 +170,17 @@ def test_models_the_engine_cannot_run_exactly_are_refused_by_name(family, monkey
     overrides, why, why_hidden = REFUSED[family]
     monkeypatch.setattr(families, "VERIFIED", (*families.VERIFIED, family))
     model = _model(family, **overrides)
-    with pytest.raises(BackendError, match=f"tuichat cannot run .*{family}.*{why}"):
+    with pytest.raises(TuichatError, match=f"tuichat cannot run .*{family}.*{why}"):
         Engine(model, config=EngineConfig(num_blocks=8))
     if why_hidden:  # as if the config had not named them: the model itself is checked as well
         monkeypatch.setattr(families, "unsupported", lambda config: None)
-        with pytest.raises(BackendError, match=f"tuichat cannot run .*{family}.*{why_hidden}"):
+        with pytest.raises(TuichatError, match=f"tuichat cannot run .*{family}.*{why_hidden}"):
             Engine(model, config=EngineConfig(num_blocks=8))
 
 
 def test_a_listed_family_with_an_unknown_attention_feature_is_refused():
     """Gemma 3 as an embedding model attends both ways: a Gemma 3 config, but not the attention we compute."""
-    with pytest.raises(BackendError, match="mask is not causal"):
+    with pytest.raises(TuichatError, match="mask is not causal"):
         Engine(pair_with("gemma3_text", use_bidirectional_attention=True), config=EngineConfig(num_blocks=8))
 
 
@@ -209,9 +209,9 @@ def test_a_multimodal_model_serves_its_text_model_within_the_text_context_length
 def test_an_unserved_family_is_refused_before_its_weights_load(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from tuichat.local import LocalBackend
+    from tuichat.backends.local import LocalBackend
 
     _model("mamba").save_pretrained(tmp_path)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were loaded"))
-    with pytest.raises(BackendError, match="tuichat cannot run .*: the mamba family is not one tuichat has verified"):
+    with pytest.raises(TuichatError, match="tuichat cannot run .*: the mamba family is not one tuichat has verified"):
         LocalBackend().load_sync(str(tmp_path))

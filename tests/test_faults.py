@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import hf_greedy, make_tiny, step_until
-from tuichat.backend import BackendError, EngineOptions, Message, SamplingParams
+from tuichat.backends.protocol import TuichatError, EngineOptions, Message, SamplingParams
 from tuichat.engine import engine as engine_module
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.scheduler import MAX_OVERTAKES
@@ -186,7 +186,7 @@ def test_an_engine_failing_every_step_stops_and_later_submits_fail_at_once(serve
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert "failed three steps in a row" in engine.broken
-    with pytest.raises(BackendError, match="failed three steps in a row"):
+    with pytest.raises(TuichatError, match="failed three steps in a row"):
         engine.submit(prompts(1)[0], GREEDY)
 
 
@@ -197,7 +197,7 @@ def test_submit_to_a_closed_engine_raises_and_close_ends_the_inbox():
     engine.submit(prompts(1)[0], GREEDY, queued)
     engine.close()
     assert queued.final.error == "The engine was shut down." and queued.final.usage.finish_reason == "error"
-    with pytest.raises(BackendError, match="shut down"):
+    with pytest.raises(TuichatError, match="shut down"):
         engine.submit(prompts(1)[0], GREEDY)
 
 
@@ -265,8 +265,8 @@ def test_a_request_that_does_not_fit_lets_smaller_ones_pass_but_not_for_ever():
 
 def test_eviction_never_closes_an_engine_a_stream_is_using(tmp_path, monkeypatch):
     """Three models, two slots: tabs sending to all three at once, over and over, must all get their replies."""
-    from tuichat import local
-    from tuichat.local import LocalBackend
+    from tuichat.backends import local
+    from tuichat.backends.local import LocalBackend
 
     folders = []
     for seed in range(3):

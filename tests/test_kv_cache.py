@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuichat.backend import SamplingParams
+from tuichat.backends.protocol import SamplingParams
 from tuichat.engine.kv_cache import BlockManager, CacheFull
 from tuichat.engine.request import Sequence
 

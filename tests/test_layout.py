@@ -1,7 +1,8 @@
-"""The layout's rules, read off the source. Data flows keypress → UI → Backend → LocalBackend → Engine (README's
-"Where things are"); every import must run along that map, never against it: the engine stands alone, the UI
-never reaches the engine or torch, and what the front ends share with the engine is its torch-free vocabulary
-(tuichat.engine.types, and the cache root in tuichat.engine.storage). And the code passes the linter, as configured in pyproject.toml."""
+"""The layout's rules, read off the source. Data flows keypress → UI → Backend → LocalBackend → Engine
+(docs/architecture.md); every import must run along that map, never against it: the engine stands alone, the
+UI never reaches the engine or torch, and what the front ends share with the engine is its torch-free
+vocabulary (tuichat.engine.types, and the cache root in tuichat.engine.storage). And the code passes the
+linter, as configured in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def violations(rule) -> list[str]:
 def test_the_map_finds_the_layers():
     """The rules below see the modules they are about (a rename must not leave them checking nothing)."""
     for module in ("tuichat.engine.engine", "tuichat.engine.types", "tuichat.ui.app", "tuichat.ui.chat",
-                   "tuichat.backend", "tuichat.local", "tuichat.store", "tuichat.cli"):
+                   "tuichat.backends.protocol", "tuichat.backends.local", "tuichat.store", "tuichat.cli"):
         assert module in MODULES, module
-    assert "tuichat.engine.engine" in MODULES["tuichat.local"]
+    assert "tuichat.engine.engine" in MODULES["tuichat.backends.local"]
 
 
 def test_the_engine_stands_alone():
@@ -70,17 +71,17 @@ def test_the_engine_stands_alone():
 
 
 def test_the_ui_never_imports_the_engine_or_torch():
-    """The UI talks to an engine only through the Backend protocol (tuichat.backend), and paints before torch
-    could have loaded."""
+    """The UI talks to an engine only through the Backend protocol (tuichat.backends.protocol), and paints before
+    torch could have loaded."""
     assert violations(lambda m, n: within(m, "tuichat.ui") and (
-        within(n, *HEAVY, "tuichat.engine", "tuichat.local", "tuichat.bench"))) == []
+        within(n, *HEAVY, "tuichat.engine", "tuichat.backends.local", "tuichat.bench"))) == []
 
 
 def test_the_shared_modules_know_only_the_engines_vocabulary():
     """The protocol, the store, the config and the catalog are imported by the UI: of the engine they may know
     its types, never its machinery, and nothing heavy."""
-    shared = ("tuichat.backend", "tuichat.store", "tuichat.config", "tuichat.catalog", "tuichat.paths",
-              "tuichat.locks", "tuichat.themes", "tuichat.cli", "tuichat.endpoints")
+    shared = ("tuichat.backends", "tuichat.backends.protocol", "tuichat.store", "tuichat.config", "tuichat.catalog", "tuichat.paths",
+              "tuichat.locks", "tuichat.themes", "tuichat.cli", "tuichat.backends.endpoints")
     assert violations(lambda m, n: m in shared and (
         within(n, *HEAVY) or (within(n, "tuichat.engine") and existing(n) and n not in VOCABULARY))) == []
 
@@ -88,17 +89,17 @@ def test_the_shared_modules_know_only_the_engines_vocabulary():
 def test_the_remote_side_is_plain_http():
     """A remote engine needs neither torch nor the engine: RemoteBackend and the router run on a machine that only
     talks to a server. The config and the UI read endpoints without importing HTTP."""
-    remote = ("tuichat.remote", "tuichat.backends")
+    remote = ("tuichat.backends.remote", "tuichat.backends.router")
     assert violations(lambda m, n: m in remote and (
         within(n, *HEAVY) or (within(n, "tuichat.engine") and existing(n) and n not in VOCABULARY))) == []
-    assert violations(lambda m, n: within(m, "tuichat.endpoints", "tuichat.config", "tuichat.ui")
-                      and within(n, "httpx", "tuichat.remote")) == []
+    assert violations(lambda m, n: within(m, "tuichat.backends.endpoints", "tuichat.config", "tuichat.ui")
+                      and within(n, "httpx", "tuichat.backends.remote")) == []
 
 
 def test_only_the_local_backend_and_the_benchs_peers_reach_into_the_engine():
     """Every front end drives the engine through a Backend; LocalBackend is the one that builds an Engine. The
     bench also loads the model with the engine's loader for transformers' own generate (its peers)."""
-    allowed = ("tuichat.engine", "tuichat.local", "tuichat.bench")
+    allowed = ("tuichat.engine", "tuichat.backends.local", "tuichat.bench")
     assert violations(lambda m, n: not within(m, *allowed) and within(n, "tuichat.engine") and existing(n)
                       and n not in VOCABULARY) == []
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tuichat.backend import EngineOptions, Message
+from tuichat.backends.protocol import EngineOptions, Message
 from tuichat.bench.peers.serve import ServePeer
 from tuichat.bench.soak import idle_cycles, model_switches
 from tuichat.catalog import embedded_gguf

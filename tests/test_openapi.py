@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tests.tiny_gguf import write_gguf
-from tuichat.backend import EngineOptions
+from tuichat.backends.protocol import EngineOptions
 from tuichat.server.app import create_app
 
 KEY = "sk-tuichat-contract"
@@ -34,7 +34,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
 def app(tmp_path_factory, session_cache):
     """The app over the real engine, with an API key; a request that leaves max_tokens out gets MAX_TOKENS from
     the config, as a user's [sampling] gives it."""
-    from tuichat.local import LocalBackend
+    from tuichat.backends.local import LocalBackend
 
     model = tmp_path_factory.mktemp("contract") / "tiny.gguf"
     write_gguf(model, chat_template=TEMPLATE)

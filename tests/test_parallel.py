@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy, make_tiny, wait_until
-from tuichat.backend import BackendError, SamplingParams
+from tuichat.backends.protocol import TuichatError, SamplingParams
 from tuichat.catalog import resolve
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
@@ -71,7 +71,7 @@ def test_killed_worker_fails_the_request_within_seconds(tiny_source):
 
 def test_tp_size_must_divide_the_heads(tiny_source):
     source, _ = tiny_source
-    with pytest.raises(BackendError, match="--tp 3 does not divide this model: 4 attention heads"):
+    with pytest.raises(TuichatError, match="--tp 3 does not divide this model: 4 attention heads"):
         Engine(load_tiny(source), config=EngineConfig(num_blocks=8, tp=3), source=source)
 
 
@@ -79,7 +79,7 @@ def test_tp_larger_than_the_visible_gpus_is_refused(monkeypatch):
     from tuichat.engine import parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(BackendError, match="--tp 2 needs 2 GPUs, but 1 are visible"):
+    with pytest.raises(TuichatError, match="--tp 2 needs 2 GPUs, but 1 are visible"):
         parallel.start_workers(dict(resolved=None, device="cuda", dtype="float32", world=2, num_blocks=1,
                                     block_size=16, kv_heads=2, head_dim=16, num_layers=1))
 
@@ -165,7 +165,7 @@ def test_a_rank_0_failure_mid_forward_stops_the_workers_and_later_submits_fail_f
         assert "rank 0 failed mid-step: RuntimeError: injected on rank 0" in outputs[-1].error
         assert "load the model again" in outputs[-1].error
         assert not any(p.is_alive() for p in engine.runner.workers)
-        with pytest.raises(BackendError, match="load the model again"):
+        with pytest.raises(TuichatError, match="load the model again"):
             engine.submit([1, 2, 3], GREEDY)
     finally:
         engine.close()
@@ -199,8 +199,8 @@ def test_after_a_worker_dies_mid_reply_the_backend_restarts_the_workers(tmp_path
 
     from test_prompts import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
-    from tuichat.backend import EngineOptions, Message
-    from tuichat.local import LocalBackend
+    from tuichat.backends.protocol import EngineOptions, Message
+    from tuichat.backends.local import LocalBackend
 
     tokenizer = build_tokenizer("byte-level BPE, ChatML (SmolLM2, Qwen)")
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

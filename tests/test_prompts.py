@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
-from tuichat.backend import EngineOptions, Message, SamplingParams
-from tuichat.local import LocalBackend
+from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
+from tuichat.backends.local import LocalBackend
 
 WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and small birds sang songs about "
          "rivers stones light bread winter tea code python list tuple print loop file read write").split()

@@ -20,12 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import Static
 
 from tests.helpers import RUNS_ON, SERVE_KEY, free_port, hf_greedy, loopback_server, server_process, template_ids, until
-from tuichat.backend import Message, SamplingParams
-from tuichat.backends import Router
+from tuichat.backends.protocol import Message, SamplingParams
+from tuichat.backends.router import Router
 from tuichat.config import Config, load_config
-from tuichat.endpoints import Endpoint
-from tuichat.local import LocalBackend
-from tuichat.remote import RemoteBackend
+from tuichat.backends.endpoints import Endpoint
+from tuichat.backends.local import LocalBackend
+from tuichat.backends.remote import RemoteBackend
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.screens import ModelPicker

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import SERVE_KEY as KEY
 from tests.helpers import free_port, hf_greedy, server_process, template_ids, wait_until
 from tuichat import catalog
-from tuichat.backend import Message, SamplingParams
+from tuichat.backends.protocol import Message, SamplingParams
 
 def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)

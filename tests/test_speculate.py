@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import echoing_prompts, finished, hf_greedy, make_tiny, step_until
-from tuichat.backend import SamplingParams
+from tuichat.backends.protocol import SamplingParams
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.kv_cache import block_digest
 from tuichat.engine.request import Status
@@ -158,7 +158,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_reply_exactly_there(embed
     """The embedded model (float32) copying a sentence it was given: stop strings cut from its reply end the
     speculative reply where they end the plain one."""
     from tests.helpers import template_ids
-    from tuichat.backend import Message
+    from tuichat.backends.protocol import Message
 
     _, model, _, tokenizer = embedded
     prompt = template_ids(tokenizer, [Message("user", "Repeat this exactly: the quick brown fox jumps over the "

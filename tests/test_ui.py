@@ -15,7 +15,7 @@ from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend, Tap, VirtualClock
 from tests.helpers import until
-from tuichat.backend import CHAT_SAMPLING, EngineStats, SamplingParams, Usage
+from tuichat.backends.protocol import CHAT_SAMPLING, EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp

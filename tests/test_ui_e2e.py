@@ -7,9 +7,9 @@ import re
 from dataclasses import replace
 
 from tests.helpers import until
-from tuichat.backend import EngineOptions
+from tuichat.backends.protocol import EngineOptions
 from tuichat.config import Config
-from tuichat.local import LocalBackend
+from tuichat.backends.local import LocalBackend
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 

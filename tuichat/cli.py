@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import click
 
-from tuichat.backend import BackendError, EngineOptions, Message, RemoteStats, chat_sampling
+from tuichat.backends.protocol import TuichatError, EngineOptions, Message, RemoteStats, chat_sampling
 
 
 def engine_options(func):
@@ -50,8 +50,8 @@ def remote_options(func):
 def _backend(ctx: click.Context, config, options: EngineOptions, model: str | None, base_url: str | None,
              api_key_env: str | None):
     """(the Router over the local engine and the endpoints, the model spec to start with); exits on a bad URL."""
-    from tuichat.backends import build
-    from tuichat.endpoints import url_problem
+    from tuichat.backends.router import build
+    from tuichat.backends.endpoints import url_problem
 
     base_url = base_url or ctx.obj.get("base_url")
     if base_url is not None and (problem := url_problem(base_url)):
@@ -179,7 +179,7 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     try:
         chat_sampling({}, chosen)  # a value out of range fails before the model loads
         asyncio.run(_ask(model, options, messages, chosen, as_json, backend))
-    except BackendError as exc:
+    except TuichatError as exc:
         _fail(str(exc))
 
 
@@ -207,7 +207,7 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
                 click.echo(json.dumps({"text": "".join(text), "model": name, "error": last.error}))
             elif text:
                 click.echo()
-            raise BackendError(f"the reply above is partial: {last.error}" if text and not as_json else last.error)
+            raise TuichatError(f"the reply above is partial: {last.error}" if text and not as_json else last.error)
         stats = backend.stats(name)
         local = not isinstance(stats, RemoteStats)  # a server's own settings are not known to the client
         result = {
@@ -277,7 +277,7 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
     config, _ = _load_config()
     model = model or ctx.obj.get("model") or config.model
     options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
-    from tuichat.local import LocalBackend
+    from tuichat.backends.local import LocalBackend
 
     backend = LocalBackend(options, model, config.models)
     run_server(backend, model, host, port, api_key, config.sampling, log_level)
@@ -323,7 +323,7 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
     --prefix-cache itself (it compares them); the other engine options apply to every engine. With a remote
     model (NAME:MODEL, --base-url), single, tabs and multiturn run over the wire, without the peers."""
     from tuichat import bench as bench_module
-    from tuichat.endpoints import split_spec
+    from tuichat.backends.endpoints import split_spec
 
     config, _ = _load_config()
     wanted = model or ctx.obj.get("model")
@@ -347,7 +347,7 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
             **caps,
         )
         bench_module.main(settings, as_json=as_json, plot_path=plot_path)
-    except BackendError as exc:
+    except TuichatError as exc:
         _fail(str(exc))
 
 
@@ -365,6 +365,6 @@ def _bench_remote(ctx, config, model, base_url, api_key_env, quick, scenarios, t
             turns=turns, **caps)
         endpoint = backend.endpoints[spec.partition(":")[0]].base_url
         remote.main(settings, backend, spec, endpoint, as_json, sys.stdout)
-    except BackendError as exc:
+    except TuichatError as exc:
         _fail(str(exc))
 

@@ -17,8 +17,8 @@ from typing import Any
 from collections.abc import Callable
 
 from tuichat import paths
-from tuichat.backend import EngineOptions
-from tuichat.endpoints import Endpoint, read_endpoints
+from tuichat.backends.protocol import EngineOptions
+from tuichat.backends.endpoints import Endpoint, read_endpoints
 
 
 @dataclass

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, TextIO
 
-from tuichat.backend import Backend, Message, SamplingParams
+from tuichat.backends.protocol import Backend, Message, SamplingParams
 from tuichat.bench.corpus import FIRST_TURN, FOLLOW_UPS, QUESTIONS, SINGLE_QUESTIONS, WARMUP_QUESTION
 from tuichat.bench.peers.tuichat import run_tabs, stream_once
 from tuichat.bench.settings import BenchSettings

@@ -13,7 +13,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from tuichat.backend import BackendError
+from tuichat.backends.protocol import TuichatError
 from tuichat.bench.stats import median, ratio
 
 
@@ -272,11 +272,11 @@ def skipped_notes(result: dict[str, Any]) -> list[str]:
 
 def check_plot_available() -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        raise BackendError("--plot needs matplotlib, an optional extra: pip install 'tuichat[plot]' (or pip install matplotlib).")
+        raise TuichatError("--plot needs matplotlib, an optional extra: pip install 'tuichat[plot]' (or pip install matplotlib).")
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise BackendError(f"--plot needs matplotlib, which failed to import: {exc}") from exc
+        raise TuichatError(f"--plot needs matplotlib, which failed to import: {exc}") from exc
 
 
 def plot(result: dict[str, Any], path: str) -> None:

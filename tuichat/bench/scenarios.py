@@ -31,7 +31,7 @@ from typing import Any, TextIO
 from collections.abc import Callable, Sequence
 
 from tuichat import catalog
-from tuichat.backend import BackendError, Message, SamplingParams, chat_sampling
+from tuichat.backends.protocol import TuichatError, Message, SamplingParams, chat_sampling
 from tuichat.bench.corpus import (
     FIRST_TURN, FOLLOW_UPS, LONG_REPLY_PROMPTS, PROBE_QUESTION, QUESTIONS, SHARED_PREFIX_QUESTIONS, SINGLE_QUESTIONS,
     SYSTEM_PROMPT, WARMUP_QUESTION, GROUNDED_PROMPTS, OPEN_PROMPTS,
@@ -45,7 +45,7 @@ from tuichat.bench.progress import Progress
 from tuichat.bench.report import targets
 from tuichat.bench.settings import MODES, SCENARIOS, BenchSettings, plan
 from tuichat.bench.stats import RequestResult, median, percentile, ratio, summarize
-from tuichat.local import chat_ids
+from tuichat.backends.local import chat_ids
 
 
 ENGINE_THREAD = "tuichat-engine-"  # how Engine.start names its threads
@@ -111,13 +111,13 @@ class _Run:
                     self.llama = LlamaServerPeer(binary, self.resolved.source, self.torch.get_num_threads(), s.tabs,
                                                  s.llama_slot_ctx, self.ids([Message("user", WARMUP_QUESTION)]),
                                                  gpu=self.device.type == "cuda")
-                except (BackendError, OSError) as exc:
+                except (TuichatError, OSError) as exc:
                     self.llama_skip = f"llama-server did not start: {exc}"
         if self.llama is None:
             return {"skipped": self.llama_skip}
         try:
             return work(self.llama)
-        except (BackendError, OSError, KeyError, ValueError) as exc:
+        except (TuichatError, OSError, KeyError, ValueError) as exc:
             return {"skipped": f"llama-server failed: {exc}"}
 
     def with_serve(self, work: Callable[[ServePeer], dict[str, Any]]) -> dict[str, Any]:
@@ -127,7 +127,7 @@ class _Run:
                 self.serve = ServePeer(self.settings.model, self.settings.engine_options(),
                                        [Message("user", WARMUP_QUESTION)], self.settings.tabs)
             return work(self.serve)
-        except (BackendError, OSError, KeyError, ValueError) as exc:
+        except (TuichatError, OSError, KeyError, ValueError) as exc:
             return {"skipped": f"tuichat serve failed: {exc}"}
 
     def ids(self, messages: Sequence[Message]) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from tuichat import catalog
-from tuichat.backend import BackendError, EngineOptions
+from tuichat.backends.protocol import TuichatError, EngineOptions
 
 
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference", "speculative")
@@ -58,12 +58,12 @@ class BenchSettings:
         settings = cls(quick=quick, **base)
         unknown = set(settings.scenarios) - set(SCENARIOS)
         if unknown:
-            raise BackendError(f"Unknown scenario(s): {', '.join(sorted(unknown))}. Pick from {', '.join(SCENARIOS)}.")
+            raise TuichatError(f"Unknown scenario(s): {', '.join(sorted(unknown))}. Pick from {', '.join(SCENARIOS)}.")
         unknown = set(settings.peers) - set(PEERS)
         if unknown:
-            raise BackendError(f"Unknown peer(s): {', '.join(sorted(unknown))}. Pick from {', '.join(PEERS)}.")
+            raise TuichatError(f"Unknown peer(s): {', '.join(sorted(unknown))}. Pick from {', '.join(PEERS)}.")
         if settings.tabs < 1 or settings.turns < 1:
-            raise BackendError("--tabs and --turns must be at least 1.")
+            raise TuichatError("--tabs and --turns must be at least 1.")
         return settings
 
     @property
@@ -90,7 +90,7 @@ def parse_list(value: str | None, allowed: Sequence[str], what: str) -> tuple[st
     items = tuple(dict.fromkeys(v.strip().replace("-", "_") for v in value.split(",") if v.strip()))
     unknown = [v for v in items if v not in allowed]
     if unknown:
-        raise BackendError(f"Unknown {what}: {', '.join(unknown)}. Pick from {', '.join(allowed)} (or all/none).")
+        raise TuichatError(f"Unknown {what}: {', '.join(unknown)}. Pick from {', '.join(allowed)} (or all/none).")
     return items
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tuichat.backend import Message
+from tuichat.backends.protocol import Message
 from tuichat.bench.peers.serve import ServePeer
 
 WORDS = ("river stone lantern orchard copper meadow whistle harbor velvet thunder maple signal quiet garden silver "

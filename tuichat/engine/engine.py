@@ -26,7 +26,7 @@ from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
-from tuichat.engine.types import EngineError, PromptTooLong, SamplingParams, ServingOptions, SpeculateMode
+from tuichat.engine.types import TuichatError, PromptTooLong, SamplingParams, ServingOptions, SpeculateMode
 
 SPECULATE_MODES = get_args(SpeculateMode)
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
@@ -96,13 +96,13 @@ class Engine:
         self.config = config
         self.name = name
         if config.quant not in ("auto", "none", *quant.QUANT_FORMATS):
-            raise EngineError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
+            raise TuichatError(f"Unknown quant '{config.quant}': use auto, none, {', '.join(quant.QUANT_FORMATS)}.")
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         text_config = families.text_config(model.config)
         what = f"{name} ({getattr(text_config, 'model_type', 'unknown')})"
         if (why := families.unsupported(model.config)) is not None:
-            raise EngineError(f"tuichat cannot run {what}: {why}.")
+            raise TuichatError(f"tuichat cannot run {what}: {why}.")
         self.max_model_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         shape = ModelShape.of(model.config)
         self.attention = self._inspect_attention(model, shape, what)
@@ -142,9 +142,9 @@ class Engine:
             model.set_attn_implementation(attention.register())
             found = attention.inspect(model, shape.layers)
         except (attention.UnsupportedAttention, ValueError) as exc:
-            raise EngineError(f"tuichat cannot run {what} faithfully: {exc}.") from None
+            raise TuichatError(f"tuichat cannot run {what} faithfully: {exc}.") from None
         if (found.heads, found.kv_heads, found.head_dim) != (shape.heads, shape.kv_heads, shape.head_dim):
-            raise EngineError(
+            raise TuichatError(
                 f"tuichat cannot run {what} faithfully: its attention runs {found.heads} heads over {found.kv_heads} "
                 f"KV heads of size {found.head_dim}, but its config says {shape.heads} over {shape.kv_heads} of "
                 f"{shape.head_dim}."
@@ -267,7 +267,7 @@ class Engine:
         error = float((logits[0] - want).abs().max() / want.abs().max().clamp_min(1e-6))
         # Rounding alone: float32 differs in the last bits (~1e-6); bf16 steps by ~1 % of the range.
         if error > (1e-4 if self.dtype is torch.float32 else 0.05):
-            raise EngineError(
+            raise TuichatError(
                 f"tuichat cannot run {what} faithfully: served in pieces through its KV cache, it does not reproduce "
                 f"its own plain forward (off by {error:.0%} of the logit range). It may keep state outside attention."
             )
@@ -289,9 +289,9 @@ class Engine:
 
     # -- public API (thread-safe) ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int]) -> None:
-        """Raise EngineError for a prompt that can never run, before anything is queued."""
+        """Raise TuichatError for a prompt that can never run, before anything is queued."""
         if not prompt_ids:
-            raise EngineError("The prompt is empty.")
+            raise TuichatError("The prompt is empty.")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"The prompt is {len(prompt_ids)} tokens long; {self.name} takes at most {self.max_model_len - 1}."
@@ -304,7 +304,7 @@ class Engine:
         vocab = self.model.get_input_embeddings().num_embeddings
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise EngineError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
+            raise TuichatError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None] | None = None
@@ -313,9 +313,9 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, on_output)
         with self._lock:  # against close(): nothing may enter the inbox after the thread drained it for good
             if self._closed:
-                raise EngineError(f"The engine for {self.name} was shut down; load the model again.")
+                raise TuichatError(f"The engine for {self.name} was shut down; load the model again.")
             if self.broken is not None:
-                raise EngineError(self.broken)
+                raise TuichatError(self.broken)
             self._inbox.put(("add", seq))
             self._spawn()
         self._wake.set()

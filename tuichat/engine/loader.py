@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from tuichat.engine.types import EngineError, ProgressCallback, ResolvedModel
+from tuichat.engine.types import TuichatError, ProgressCallback, ResolvedModel
 from tuichat.engine import families
 from tuichat.engine.cpu_kernel import cpu_flags
 from tuichat.engine.heap import settle_heap
@@ -39,9 +39,9 @@ def resolve_device(option: str) -> torch.device:
     except RuntimeError:  # torch's message lists every device type it knows, most of them not ours
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise EngineError(f"Unknown device '{option}': {accepted}.")
+        raise TuichatError(f"Unknown device '{option}': {accepted}.")
     if (device.type == "cuda" and (device.index or 0) >= gpus) or (device.type == "mps" and not mps):
-        raise EngineError(f"--device {option} is not available here: {accepted}.")
+        raise TuichatError(f"--device {option} is not available here: {accepted}.")
     return device
 
 
@@ -51,7 +51,7 @@ def resolve_dtype(option: str, device: torch.device, family: str | None = None) 
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[option]
         except KeyError:
-            raise EngineError(f"Unknown dtype '{option}': use auto, float32, bfloat16 or float16.") from None
+            raise TuichatError(f"Unknown dtype '{option}': use auto, float32, bfloat16 or float16.") from None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # bf16 halves the bytes a CPU decode step must read. torch gains from it only with native bf16 dot products;
@@ -145,12 +145,12 @@ def check_gguf(gguf: Path) -> None:
     try:
         _SizedReader(gguf)
     except _CutShort as short:
-        raise EngineError(
+        raise TuichatError(
             f"{gguf} is truncated or corrupt: its tensors need {short.needed:,} bytes, the file has "
             f"{gguf.stat().st_size:,}. Download or copy it again."
         ) from None
     except Exception as exc:  # bytes that are no GGUF fail the reader anywhere: magic, lengths, types
-        raise EngineError(f"{gguf} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
+        raise TuichatError(f"{gguf} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
 
 
 @_only_our_progress()
@@ -186,7 +186,7 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
         tmp.rename(target)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise EngineError(f"Could not convert {gguf}: {exc}") from exc
+        raise TuichatError(f"Could not convert {gguf}: {exc}") from exc
     report(progress, f"Converted {model.name} in {time.monotonic() - started:.1f} s", 1.0)
     return target
 
@@ -216,7 +216,7 @@ def load(
             weights = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             tokenizer = tokenizer.result() if tokenizer else None
     except OSError as exc:
-        raise EngineError(f"Could not load model '{model.name}': {exc}") from exc
+        raise TuichatError(f"Could not load model '{model.name}': {exc}") from exc
     if not device_map:
         weights.to(device)
     weights.eval()
@@ -268,9 +268,9 @@ def refuse_unsupported(name: str, source: str) -> str:
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as exc:  # no config, or an architecture transformers does not know
-        raise EngineError(f"Could not load model '{name}': {exc}") from exc
+        raise TuichatError(f"Could not load model '{name}': {exc}") from exc
     if (why := families.unsupported(config)) is not None:
-        raise EngineError(f"tuichat cannot run {name}: {why}.")
+        raise TuichatError(f"tuichat cannot run {name}: {why}.")
     return families.text_config(config).model_type
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tuichat.engine.types import EngineError
+from tuichat.engine.types import TuichatError
 from tuichat.engine.fusion import linear
 from tuichat.engine.families import ModelShape
 from tuichat.engine.kv_cache import KVCache
@@ -69,7 +69,7 @@ def _column_split(linear: nn.Linear, rank: int, world: int) -> None:
 def check_shardable(config, world: int) -> None:
     shape = ModelShape.of(config)
     if shape.heads % world or shape.kv_heads % world or shape.intermediate % world:
-        raise EngineError(
+        raise TuichatError(
             f"--tp {world} does not divide this model: {shape.heads} attention heads, {shape.kv_heads} KV heads, "
             f"MLP width {shape.intermediate}. Pick a TP size that divides all three."
         )
@@ -82,7 +82,7 @@ def shard_model(model, rank: int, world: int) -> None:
         for part_name, names in _COLUMN.items():
             part = getattr(layer, part_name)
             if not all(hasattr(part, n) for n in names):
-                raise EngineError(
+                raise TuichatError(
                     f"{type(model).__name__} has fused or unusual projections; tensor parallelism supports "
                     "models with separate q/k/v and gate/up projections (Llama, Qwen2/3, Mistral, Gemma)."
                 )
@@ -230,10 +230,10 @@ class TensorParallelRunner(ModelRunner):
 def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup, list]:
     """Spawn ranks 1..N-1, join the process group as rank 0, and wait until every worker holds its shard."""
     if dist.is_initialized():
-        raise EngineError("Another tensor-parallel model is loaded; close it first.")
+        raise TuichatError("Another tensor-parallel model is loaded; close it first.")
     world = spec_fields["world"]
     if spec_fields["device"].startswith("cuda") and world > torch.cuda.device_count():
-        raise EngineError(f"--tp {world} needs {world} GPUs, but {torch.cuda.device_count()} are visible.")
+        raise TuichatError(f"--tp {world} needs {world} GPUs, but {torch.cuda.device_count()} are visible.")
     spec = WorkerSpec(init_method=f"tcp://127.0.0.1:{_free_port()}", **spec_fields)
     context = mp.get_context("spawn")  # fork would copy a process that already runs threads
     workers, pipes = [], []
@@ -248,10 +248,10 @@ def start_workers(spec_fields: dict) -> tuple[list, dist.ProcessGroup, list]:
         plan_group = init_rank(spec, 0)
         for rank, pipe in enumerate(pipes, start=1):
             if not pipe.poll(_STARTUP_TIMEOUT_S):
-                raise EngineError(f"tensor-parallel worker {rank} did not start in {_STARTUP_TIMEOUT_S} s")
+                raise TuichatError(f"tensor-parallel worker {rank} did not start in {_STARTUP_TIMEOUT_S} s")
             message = pipe.recv()
             if message != "ready":
-                raise EngineError(f"tensor-parallel worker {rank} failed to start: {message}")
+                raise TuichatError(f"tensor-parallel worker {rank} failed to start: {message}")
     except BaseException:
         for proc in workers:
             proc.terminate()

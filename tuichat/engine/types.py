@@ -1,6 +1,6 @@
 """The engine's vocabulary, which the front ends speak too: what a request asks for (SamplingParams), what it
 reports (Usage), what to load (ResolvedModel) and how to serve it (ServingOptions), and the error whose
-message is for the user. The engine owns these so that it stands alone; tuichat.backend re-exports them for
+message is for the user. The engine owns these so that it stands alone; tuichat.backends.protocol re-exports them for
 the front ends. No torch here: the TUI imports this at start-up.
 """
 
@@ -17,15 +17,16 @@ ProgressCallback = Callable[[str, float | None], None]  # (what is happening, fr
 SpeculateMode = Literal["auto", "ngram", "off"]
 
 
-class EngineError(Exception):
-    """A problem the user can act on (unknown model, prompt too long, ...). Its message is shown as is."""
+class TuichatError(Exception):
+    """A problem the user can act on (unknown model, prompt too long, ...), whoever raises it: the engine, a
+    backend, a front end. Its message is shown as is."""
 
 
-class ModelNotFound(EngineError):
+class ModelNotFound(TuichatError):
     """The model asked for is nowhere to be found (a server answers 404)."""
 
 
-class PromptTooLong(EngineError):
+class PromptTooLong(TuichatError):
     """A prompt longer than the model's context or the whole KV cache: it can never run."""
 
 
@@ -72,7 +73,7 @@ class SamplingParams:
         if not (isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop)):
             problems.append(f"stop must be a tuple of strings, not {self.stop!r}")
         if problems:
-            raise EngineError("; ".join(problems) + ".")
+            raise TuichatError("; ".join(problems) + ".")
 
 
 @dataclass
@@ -122,7 +123,7 @@ class ResolvedModel:
 
 @dataclass(frozen=True)
 class ServingOptions:
-    """How the engine serves a model, as a user sets it (tuichat.backend.EngineOptions adds where and in which
+    """How the engine serves a model, as a user sets it (tuichat.backends.protocol.EngineOptions adds where and in which
     dtype it loads; the engine's EngineConfig adds what only the engine and its tests set)."""
 
     kv_cache_mb: int | None = None  # None: 512 MiB on CPU, 40 % of free GPU memory on CUDA

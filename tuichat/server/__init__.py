@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from tuichat.backend import Backend
+from tuichat.backends.protocol import Backend
 
 
 def is_loopback(host: str) -> bool:

@@ -32,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tuichat.backend import Backend, BackendError, ModelNotFound, PromptTooLong, StreamEvent, Usage, chat_sampling
+from tuichat.backends.protocol import Backend, TuichatError, ModelNotFound, PromptTooLong, StreamEvent, Usage, chat_sampling
 from tuichat.server import contract, schema
 from tuichat.server.metrics import ServerMetrics
 
@@ -48,7 +48,7 @@ class ApiError(Exception):
         self.status, self.body = status, schema.error_body(message, kind, param, code)
 
 
-def _error(exc: BackendError) -> ApiError:
+def _error(exc: TuichatError) -> ApiError:
     if isinstance(exc, ModelNotFound):
         return ApiError(404, str(exc), "model", "model_not_found")
     if isinstance(exc, PromptTooLong):  # OpenAI's code for it, which clients look for to trim a history
@@ -72,7 +72,7 @@ class _Models:
             name = await self.backend.load(spec)
         except ModelNotFound as exc:
             raise ApiError(404, str(exc), "model", "model_not_found") from None
-        except BackendError as exc:  # a folder that holds no model, a family tuichat cannot run, ...
+        except TuichatError as exc:  # a folder that holds no model, a family tuichat cannot run, ...
             raise ApiError(400, str(exc), "model") from None
         self.specs.setdefault(name, spec)  # the first spec to give an id keeps it: the served model's
         return name, spec
@@ -173,7 +173,7 @@ def create_app(backend: Backend, default_model: str, sampling: Mapping[str, Any]
         chosen = {**sampling, **{k: v for k, v in given.items() if v is not None}}
         try:
             chat_sampling({}, chosen)
-        except BackendError as exc:
+        except TuichatError as exc:
             raise ApiError(400, str(exc)) from None
         return chosen
 
@@ -186,7 +186,7 @@ def create_app(backend: Backend, default_model: str, sampling: Mapping[str, Any]
         events = aiter(start(spec, params))
         try:  # the first event, before any byte is sent: a bad prompt is an error status, not a broken stream
             first = await anext(events)
-        except BackendError as exc:
+        except TuichatError as exc:
             await events.aclose()
             raise _error(exc) from None
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from tuichat.backend import EngineStats, Usage
+from tuichat.backends.protocol import EngineStats, Usage
 
 PREFIX = "tuichat:"
 # vLLM's buckets for these histograms (seconds), so the same panels bin them alike.

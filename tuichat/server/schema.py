@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from tuichat.backend import Message, Usage
+from tuichat.backends.protocol import Message, Usage
 
 # -- requests ----------------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from tuichat import paths
-from tuichat.backend import Backend, BackendError, SamplingParams, chat_sampling
+from tuichat.backends.protocol import Backend, TuichatError, SamplingParams, chat_sampling
 from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store
@@ -326,7 +326,7 @@ class TuichatApp(App[None]):
     async def wait_for_backend(self) -> Backend:
         await self._backend_ready.wait()
         if self.backend is None:
-            raise BackendError(self._backend_error or "The engine did not start.")
+            raise TuichatError(self._backend_error or "The engine did not start.")
         return self.backend
 
     async def ensure_model(self, spec: str) -> str:
@@ -341,9 +341,9 @@ class TuichatApp(App[None]):
             return await asyncio.shield(load.wait())
         except WorkerFailed as failed:
             error = failed.error
-            raise error if isinstance(error, BackendError) else BackendError(f"{spec}: {error}") from error
+            raise error if isinstance(error, TuichatError) else TuichatError(f"{spec}: {error}") from error
         except WorkerCancelled:
-            raise BackendError(f"Loading {spec} was cancelled.") from None
+            raise TuichatError(f"Loading {spec} was cancelled.") from None
 
     async def _load_model(self, backend: Backend, spec: str) -> str:
         loop = asyncio.get_running_loop()
@@ -398,7 +398,7 @@ class TuichatApp(App[None]):
     async def _preload(self, spec: str) -> None:
         try:
             await self.ensure_model(spec)
-        except BackendError as error:  # a reply waiting for it shows the error in place, too
+        except TuichatError as error:  # a reply waiting for it shows the error in place, too
             self.notify(str(error), title=f"{spec} did not load", severity="error", timeout=15)
 
     @work(thread=True, group="models", exit_on_error=False)

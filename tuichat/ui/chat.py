@@ -12,7 +12,7 @@ from textual.widget import MountError
 from textual.widgets import TabbedContent, TabPane
 from textual.worker import Worker, WorkerState
 
-from tuichat.backend import Message, SamplingParams, Usage
+from tuichat.backends.protocol import Message, SamplingParams, Usage
 from tuichat.ui.message_log import PAGE, MessageLog
 from tuichat.ui.messages import AssistantMessage, Past, UserMessage
 from tuichat.ui.turns import TurnRunner

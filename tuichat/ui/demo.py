@@ -15,8 +15,8 @@ from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from tuichat import paths
-from tuichat.backend import (
-    BackendError,
+from tuichat.backends.protocol import (
+    TuichatError,
     EngineStats,
     Message,
     ModelInfo,
@@ -87,7 +87,7 @@ class DemoBackend:
 
     async def load(self, model: str, progress: ProgressCallback | None = None) -> str:
         if model not in self.models:
-            raise BackendError(f'unknown model "{model}" (the demo has {", ".join(self.models)})')
+            raise TuichatError(f'unknown model "{model}" (the demo has {", ".join(self.models)})')
         steps = 4
         for step in range(steps):
             if progress:

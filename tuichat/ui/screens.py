@@ -14,7 +14,7 @@ from textual.timer import Timer
 from textual.widgets import DataTable, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tuichat.backend import BackendError, SamplingParams
+from tuichat.backends.protocol import TuichatError, SamplingParams
 
 if TYPE_CHECKING:
     from tuichat.store import SearchHit
@@ -225,7 +225,7 @@ class SamplingScreen(Dialog):
                 seed=int(values["seed"]) if values["seed"] else None,
                 **penalties,
             )
-        except BackendError as error:
+        except TuichatError as error:
             self._refuse(str(error))
             return
         self.dismiss(sampling)

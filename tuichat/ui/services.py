@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from collections.abc import Awaitable, Callable
 
 if TYPE_CHECKING:
-    from tuichat.backend import Backend, SamplingParams
+    from tuichat.backends.protocol import Backend, SamplingParams
     from tuichat.store import Store
     from tuichat.ui.pacing import PaintPacer
     from tuichat.ui.turns import TurnRunner

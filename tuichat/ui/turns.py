@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 from collections.abc import Iterable, Sequence
 
-from tuichat.backend import BackendError, Message, SamplingParams, Usage
+from tuichat.backends.protocol import TuichatError, Message, SamplingParams, Usage
 
 if TYPE_CHECKING:
     from tuichat.ui.messages import Past
@@ -33,7 +33,7 @@ def stored_sampling(raw: str | None) -> SamplingParams | None:
         data = json.loads(raw)
         data["stop"] = tuple(data.get("stop", ()))
         return SamplingParams(**data)
-    except (ValueError, TypeError, BackendError):
+    except (ValueError, TypeError, TuichatError):
         return None
 
 
@@ -194,7 +194,7 @@ class TurnRunner:
             if not self.stop_requested:  # the app is quitting or the tab closing: save, skip the UI
                 self._end(reply_id, "stopped", None, None)
                 raise
-        except BackendError as failure:
+        except TuichatError as failure:
             error = str(failure)
         except Exception as failure:  # a backend bug must not take the app (and the typed text) down
             error = f"{type(failure).__name__}: {failure}"

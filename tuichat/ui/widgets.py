@@ -14,7 +14,7 @@ from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Sparkline, Static, TextArea
 
-from tuichat.backend import EngineStats, RemoteStats, Usage
+from tuichat.backends.protocol import EngineStats, RemoteStats, Usage
 
 if TYPE_CHECKING:
     from tuichat.ui.pacing import PaintPacer

@@ -7,11 +7,11 @@ import statistics
 import time
 from typing import Any
 
-from tuichat.backend import BackendError, Message
+from tuichat.backends.protocol import TuichatError, Message
 from tuichat.bench.corpus import WARMUP_QUESTION
 from tuichat.bench.stats import RequestResult
 from tuichat.engine.heap import settle_heap
-from tuichat.local import chat_ids
+from tuichat.backends.local import chat_ids
 
 
 class HFPeer:
@@ -181,7 +181,7 @@ class HFPeer:
                     if output is not None and output.is_finished():
                         done[output.request_id] = output
                     elif output is None and not manager.is_running():
-                        raise BackendError("transformers' continuous batching stopped before finishing the tabs.")
+                        raise TuichatError("transformers' continuous batching stopped before finishing the tabs.")
                 end = time.perf_counter()
         finally:
             if attn and getattr(self.model.config, "_attn_implementation", None) != attn:
@@ -190,7 +190,7 @@ class HFPeer:
         for request_id, arrived in arrivals.items():
             output = done[request_id]
             if output.error:
-                raise BackendError(f"transformers generate_batch failed: {output.error}")
+                raise TuichatError(f"transformers generate_batch failed: {output.error}")
             r = RequestResult(submitted=arrived, prompt_tokens=len(output.prompt_ids), finished=end)
             r.tokens = len(output.generated_tokens)
             r.set_token_times(output.timestamps or [])

@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tuichat.backend import BackendError
+from tuichat.backends.protocol import TuichatError
 from tuichat.bench.peers.loopback import LoopbackServer
 from tuichat.bench.stats import RequestResult
 
@@ -68,7 +68,7 @@ class LlamaServerPeer(LoopbackServer):
         with self._post("/completion", body) as response:
             for line in response:
                 if line.startswith(b"error:"):
-                    raise BackendError(f"llama-server: {line[6:].decode(errors='replace').strip()}")
+                    raise TuichatError(f"llama-server: {line[6:].decode(errors='replace').strip()}")
                 if not line.startswith(b"data:"):
                     continue
                 event = json.loads(line[5:])
@@ -79,7 +79,7 @@ class LlamaServerPeer(LoopbackServer):
                     final = event
         result.finished = time.perf_counter()
         if final is None:
-            raise BackendError("llama-server ended a reply without its final event")
+            raise TuichatError("llama-server ended a reply without its final event")
         result.set_token_times(times)
         result.tokens = final["tokens_predicted"]  # EOS included, as for every system
         result.cached_tokens = final["timings"]["cache_n"]

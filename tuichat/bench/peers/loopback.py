@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 
-from tuichat.backend import BackendError
+from tuichat.backends.protocol import TuichatError
 from tuichat.bench.stats import RequestResult
 
 
@@ -48,14 +48,14 @@ class LoopbackServer:
     def _post(self, path: str, body: dict) -> http.client.HTTPResponse:
         response = self._request("POST", path, body)
         if response.status != 200:
-            raise BackendError(f"{self.name} answered {response.status}: {response.read()[:300]!r}")
+            raise TuichatError(f"{self.name} answered {response.status}: {response.read()[:300]!r}")
         return response
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise BackendError(f"{self.name} exited with status {self.process.returncode}: {self._log_tail()}")
+                raise TuichatError(f"{self.name} exited with status {self.process.returncode}: {self._log_tail()}")
             try:
                 with self._request("GET", "/health") as response:
                     if response.status == 200:
@@ -63,7 +63,7 @@ class LoopbackServer:
             except OSError:
                 pass  # not listening yet
             time.sleep(0.1)
-        raise BackendError(f"{self.name} was not ready after {timeout_s:.0f} s: {self._log_tail()}")
+        raise TuichatError(f"{self.name} was not ready after {timeout_s:.0f} s: {self._log_tail()}")
 
     def concurrently(self, send: Callable[[int], RequestResult], count: int,
                      stagger_s: float) -> tuple[list[RequestResult], float]:

@@ -12,7 +12,7 @@ import time
 from dataclasses import fields
 from collections.abc import Sequence
 
-from tuichat.backend import BackendError, EngineOptions, Message
+from tuichat.backends.protocol import TuichatError, EngineOptions, Message
 from tuichat.bench.peers.loopback import LoopbackServer
 from tuichat.bench.stats import RequestResult
 
@@ -64,7 +64,7 @@ class ServePeer(LoopbackServer):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    raise BackendError(f"tuichat serve: {chunk['error'].get('message')}")
+                    raise TuichatError(f"tuichat serve: {chunk['error'].get('message')}")
                 for choice in chunk["choices"]:
                     if text := choice["delta"].get("content"):
                         times.append(time.perf_counter())
@@ -73,7 +73,7 @@ class ServePeer(LoopbackServer):
                 usage = chunk.get("usage") or usage
         result.finished = time.perf_counter()
         if usage is None:
-            raise BackendError("tuichat serve ended a reply without its usage chunk")
+            raise TuichatError("tuichat serve ended a reply without its usage chunk")
         result.set_token_times(times)
         result.tokens = usage["completion_tokens"]
         result.prompt_tokens = usage["prompt_tokens"]

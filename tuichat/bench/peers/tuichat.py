@@ -7,7 +7,7 @@ import time
 from typing import Any
 from collections.abc import Callable, Sequence
 
-from tuichat.backend import BackendError, Message, SamplingParams
+from tuichat.backends.protocol import TuichatError, Message, SamplingParams
 from tuichat.bench.corpus import WARMUP_QUESTION
 from tuichat.bench.settings import BenchSettings
 from tuichat.bench.stats import RequestResult
@@ -31,7 +31,7 @@ async def stream_once(backend, conversation_id: str, messages: Sequence[Message]
             last_text = now
         if event.finished:
             if event.error:
-                raise BackendError(event.error)
+                raise TuichatError(event.error)
             usage = event.usage
             result.tokens = usage.completion_tokens
             result.prompt_tokens = usage.prompt_tokens
@@ -48,7 +48,7 @@ class _Tuichat:
     """One LocalBackend with given options, loaded and warmed up once, closed on exit."""
 
     def __init__(self, settings: BenchSettings, **changes: Any) -> None:
-        from tuichat.local import LocalBackend
+        from tuichat.backends.local import LocalBackend
 
         self.backend = LocalBackend(settings.engine_options(**changes), settings.model)
         self.model = settings.model

@@ -1,7 +1,7 @@
 """The one interface between the front ends (TUI, `tuichat ask`, `tuichat bench`) and an engine.
 
 This module must stay free of torch/transformers imports: the TUI imports it at start-up and has to paint
-its first frame in well under a second. `tuichat.local.LocalBackend` is the real implementation (it imports
+its first frame in well under a second. `tuichat.backends.local.LocalBackend` is the real implementation (it imports
 the engine lazily); tests use fakes that follow the same protocol.
 """
 
@@ -12,16 +12,14 @@ from typing import Any, Literal, Protocol
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 # The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
-from tuichat.engine.types import (EngineError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
+from tuichat.engine.types import (TuichatError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
                                   ResolvedModel, SamplingParams, ServingOptions, Usage)
 
-__all__ = ["CHAT_SAMPLING", "Backend", "BackendError", "EngineOptions", "EngineStats", "FinishReason", "Message",
+__all__ = ["CHAT_SAMPLING", "Backend", "TuichatError", "EngineOptions", "EngineStats", "FinishReason", "Message",
            "ModelInfo", "ModelNotFound", "ProgressCallback", "PromptTooLong", "RemoteStats", "ResolvedModel", "Role",
            "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
-# One error type for what the user can act on, whoever raises it: a front end, a remote backend or the engine.
-BackendError = EngineError
 
 
 # What a chat samples with when neither the model's generation config nor the user says: of the settings
@@ -33,7 +31,7 @@ def chat_sampling(recommended: Mapping[str, Any], chosen: Mapping[str, Any]) -> 
     """The sampling of a reply in every front end: what the user chose (config, flags, a dialog, a request's
     fields) over the model's recommendation, or CHAT_SAMPLING when it has none. A chosen temperature of 0 is
     exact greedy, as SamplingParams() is: the defaults' penalties are dropped and only the user's own apply.
-    Raises BackendError for a value out of range."""
+    Raises TuichatError for a value out of range."""
     base = {} if chosen.get("temperature") == 0 else (recommended or CHAT_SAMPLING)
     return SamplingParams(**{**base, **chosen})
 
@@ -122,7 +120,7 @@ class Backend(Protocol):
     """What every front end needs from an engine. Implementations are safe to call from one asyncio loop."""
 
     async def load(self, model: str, progress: ProgressCallback | None = None) -> str:
-        """Make `model` ready (convert/load if needed) and return its canonical name. Raises BackendError."""
+        """Make `model` ready (convert/load if needed) and return its canonical name. Raises TuichatError."""
         ...
 
     def stream(

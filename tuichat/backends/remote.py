@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tuichat.backend import (BackendError, Message, ModelInfo, ProgressCallback, RemoteStats, SamplingParams,
+from tuichat.backends.protocol import (TuichatError, Message, ModelInfo, ProgressCallback, RemoteStats, SamplingParams,
                              StreamEvent, Usage)
-from tuichat.endpoints import Endpoint
+from tuichat.backends.endpoints import Endpoint
 
 RETRY_BACKOFF_S = (0.2, 0.5)  # a connection that fails before any reply arrived is tried again after these
 LIST_TIMEOUT_S = 3.0  # GET /v1/models for the picker: an unreachable server must not keep it waiting
@@ -178,15 +178,15 @@ class RemoteBackend:
         try:
             response = httpx.get(self.endpoint.base_url + "/models", headers=self._headers(), timeout=LIST_TIMEOUT_S)
         except httpx.HTTPError as exc:
-            raise BackendError(self._unreachable(exc)) from None
+            raise TuichatError(self._unreachable(exc)) from None
         if response.status_code == 404:
-            raise BackendError(f"{self.who}: no /models here (404) — base_url should end in /v1.")
+            raise TuichatError(f"{self.who}: no /models here (404) — base_url should end in /v1.")
         if response.status_code >= 400:
-            raise BackendError(self._refused(response, ""))
+            raise TuichatError(self._refused(response, ""))
         try:
             return [str(model["id"]) for model in response.json()["data"]]
         except (ValueError, KeyError, TypeError):
-            raise BackendError(f"{self.who}: /models is not an OpenAI model list: {response.text[:120]!r}") from None
+            raise TuichatError(f"{self.who}: /models is not an OpenAI model list: {response.text[:120]!r}") from None
 
     def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(model, "remote", self.who) for model in self.model_ids()]
@@ -197,7 +197,7 @@ class RemoteBackend:
             return model
         models = await asyncio.to_thread(self.model_ids)
         if not models:
-            raise BackendError(f"{self.who} lists no models.")
+            raise TuichatError(f"{self.who} lists no models.")
         return models[0]
 
     def sampling_defaults(self, model: str) -> dict:
@@ -291,7 +291,7 @@ class RemoteBackend:
         try:
             async for kind, value in self._post(path, body):
                 queue.put_nowait((kind, time.monotonic(), value))
-        except BackendError as exc:
+        except TuichatError as exc:
             queue.put_nowait(("error", time.monotonic(), str(exc)))
         except Exception as exc:  # a bug here must end the reply with its reason, never leave it waiting
             queue.put_nowait(("error", time.monotonic(), f"{self.who}: {type(exc).__name__}: {exc}"))
@@ -310,7 +310,7 @@ class RemoteBackend:
                                 "stream_options" in response.text:
                             self._include_usage = False  # an older server: usage then comes from counting
                             continue
-                        raise BackendError(self._refused(response, body["model"]))
+                        raise TuichatError(self._refused(response, body["model"]))
                     async for data in _sse_data(response.aiter_lines()):
                         received = True
                         if data.strip() == "[DONE]":
@@ -324,9 +324,9 @@ class RemoteBackend:
                 if not received and backoff and not deterministic:
                     await asyncio.sleep(backoff.pop(0))
                     continue
-                raise BackendError(self._unreachable(exc, received)) from None
+                raise TuichatError(self._unreachable(exc, received)) from None
             except httpx.HTTPError as exc:
-                raise BackendError(self._unreachable(exc, received)) from None
+                raise TuichatError(self._unreachable(exc, received)) from None
 
     # -- metrics ------------------------------------------------------------------------------------------
     def stats(self, model: str | None = None) -> RemoteStats:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
 
-from tuichat.backend import (Backend, BackendError, EngineOptions, EngineStats, Message, ModelInfo, ProgressCallback,
+from tuichat.backends.protocol import (Backend, TuichatError, EngineOptions, EngineStats, Message, ModelInfo, ProgressCallback,
                              SamplingParams, StreamEvent)
-from tuichat.endpoints import Endpoint, one_off, split_spec
+from tuichat.backends.endpoints import Endpoint, one_off, split_spec
 
 
 class Router:
@@ -21,7 +21,7 @@ class Router:
 
     def _remote(self, name: str) -> Backend:
         if name not in self._remotes:
-            from tuichat.remote import RemoteBackend  # httpx: only once a remote model is used
+            from tuichat.backends.remote import RemoteBackend  # httpx: only once a remote model is used
 
             self._remotes[name] = RemoteBackend(self.endpoints[name])
         return self._remotes[name]
@@ -67,7 +67,7 @@ class Router:
         def listed(name: str) -> list[ModelInfo]:
             try:
                 return [ModelInfo(f"{name}:{m.spec}", "remote", m.description) for m in self._remote(name).list_models()]
-            except BackendError as exc:
+            except TuichatError as exc:
                 return [ModelInfo(f"{name}:", "remote", f"unreachable: {exc}")]
 
         with ThreadPoolExecutor(max(1, len(self.endpoints))) as pool:
@@ -85,7 +85,7 @@ def build(options: EngineOptions, model: str | None, config_model: str, endpoint
     """(the Router for a front end, the model spec it starts with). `--base-url` adds the endpoint "remote" (in
     place of a configured one of that name), and a `--model` that names no endpoint is that server's model;
     without `--model`, the server's first."""
-    from tuichat.local import LocalBackend
+    from tuichat.backends.local import LocalBackend
 
     endpoints = list(endpoints)
     if base_url is not None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 from collections.abc import AsyncIterator, Sequence
 
 from tuichat import catalog
-from tuichat.backend import (
-    BackendError,
+from tuichat.backends.protocol import (
+    TuichatError,
     EngineOptions,
     EngineStats,
     Message,
@@ -221,11 +221,11 @@ class LocalBackend:
     def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message]):
         """(the rendered prompt, its ids for the engine, how many of them the last turn's ids gave)."""
         if not messages or messages[-1].role != "user" or not messages[-1].content.strip():
-            raise BackendError("The prompt is empty.")
+            raise TuichatError("The prompt is empty.")
         try:
             rendered = chat_text(loaded.tokenizer, messages)
         except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
-            raise BackendError(f"{name}'s chat template rejected the conversation: {exc}") from exc
+            raise TuichatError(f"{name}'s chat template rejected the conversation: {exc}") from exc
         previous = self._conversations.get(conversation_id) or self._continued(name, loaded, messages, rendered)
         if previous is not None and previous.model != name:
             previous = None
@@ -273,7 +273,7 @@ class LocalBackend:
         """Continue `prompt` as plain text, with no chat template (what /v1/completions asks for)."""
         def build(name: str, loaded: _Loaded):
             if not prompt:
-                raise BackendError("The prompt is empty.")
+                raise TuichatError("The prompt is empty.")
             return loaded.tokenizer(prompt)["input_ids"], None  # the tokenizer's own BOS, as generate's users get
 
         return self._generate(request_id, params, model, build)
@@ -286,7 +286,7 @@ class LocalBackend:
             if (loaded := self._acquire(name)) is not None:
                 break
         else:
-            raise BackendError(f"{model or self.default_model} was unloaded while starting the reply; send it again.")
+            raise TuichatError(f"{model or self.default_model} was unloaded while starting the reply; send it again.")
         try:
             engine = loaded.engine
             prompt, remember = build(name, loaded)
@@ -367,7 +367,7 @@ class LocalBackend:
         """Speculative decoding's mode for a loaded model, from its engine's next step; its other options stay."""
         loaded = self._loaded.get(self._names.get(model, model))
         if loaded is None:
-            raise BackendError(f"{model} is not loaded.")
+            raise TuichatError(f"{model} is not loaded.")
         loaded.engine.set_speculate(mode)
 
     def sampling_defaults(self, model: str) -> dict:

@@ -1,5 +1,5 @@
 """Remote engines as the user names them: the `endpoints` of config.toml, a one-off `--base-url`, and the model
-specs `NAME:MODEL_ID` that pick one. No HTTP here (tuichat.remote talks to them): the config and the TUI import
+specs `NAME:MODEL_ID` that pick one. No HTTP here (tuichat.backends.remote talks to them): the config and the TUI import
 this at start-up."""
 
 from __future__ import annotations
