@@ -2,9 +2,9 @@
 the same text whatever else shares the batch and however many tokens a step verifies.
 
 A sampled row is chosen on the host, in numpy, over one vocabulary row at a time. Why not torch: the obvious
-top-p (sort the vocabulary, cumsum, scatter) and a noise draw over it cost ~6 ms a row on a 2-core CPU, more
-than the model's whole decode step, and torch's per-op overhead on a 49k-entry row outweighs the arithmetic.
-Here a row costs a few tens of microseconds: the nucleus is found among the tokens above a probability
+top-p (sort the vocabulary, cumsum, scatter) and a noise draw over it cost more than the model's whole decode
+step on a CPU, and torch's per-op overhead on a 49k-entry row outweighs the arithmetic (docs/design/sampling.md
+has the figures). Here a row takes a few passes: the nucleus is found among the tokens above a probability
 threshold (lowered until they hold top_p of the mass, so the set is exactly the one a full sort gives) and one
 uniform number, hashed from the seed and the position, picks from its cumulative mass.
 """

@@ -14,8 +14,9 @@ MAX_NGRAM = 4  # the longest suffix looked up; longer matches predict better but
 MIN_NGRAM = 2  # a single repeated token predicts too little to pay for the rows it adds
 MAX_DRAFT = 8  # most tokens proposed at once
 # The least one more row is taken to add to a step, as a share of a one-row step: what a draft row costs on
-# the CPU path here (measured: ~1.2-1.4 ms against a 9 ms step). StepCost raises it where timed steps show rows
-# cost more; it never lowers it, so a draft is never sized on a fit that flatters it.
+# the CPU path (docs/design/speculation.md has the measurement and scripts/draft_cost.py re-measures it). StepCost
+# raises it where timed steps show rows cost more; it never lowers it, so a draft is never sized on a fit that
+# flatters it.
 PRIOR_ROW_SHARE = 0.15
 
 

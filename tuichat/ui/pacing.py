@@ -3,9 +3,8 @@
 A streamed chunk changes the reply's height, so each paint lays out and renders the whole screen on the UI
 thread. Where the engine's threads hold every core (a laptop, this project's 2-core CI machine), that time is
 taken from decode steps: the engine's threads meet at a barrier after every layer, so one of them preempted
-by the UI stalls the whole step. Measured on 2 cores (a 512-token reply in the TUI): painting every 50 ms gave
-36 tok/s, every 150 ms 45-51, never 53.5 (`tuichat ask`: 52); the engine lost about the share of a core the
-UI thread took (28 % at 50 ms). The cost of a paint depends on the machine, the terminal size and what the
+by the UI stalls the whole step: the engine loses about the share of a core the UI thread takes (the figures
+are in docs/design/painting.md). The cost of a paint depends on the machine, the terminal size and what the
 tab shows, so the pause between paints is not fixed: it follows the UI thread's own CPU time.
 """
 
@@ -23,7 +22,7 @@ class PaintPacer:
 
     SHORTEST = 0.05
     LONGEST = 0.4
-    BUDGET = 0.15  # of one core. Measured on 2 cores: taking tokens in ~3 %; a paint of a long reply ~30 ms
+    BUDGET = 0.15  # of one core: room for taking tokens in and a few paints a second (docs/design/painting.md)
     WINDOW_S = 0.5  # one paint's share is noise (a block mounted, a store write): judge a few together
     QUIET_S = 1.0  # a paint after a longer quiet spell (a new reply, a tab shown again) starts a new window
 

@@ -221,7 +221,7 @@ class TtftMeter(Horizontal):
         turn.chunks += 1
         turn.tokens = max(completion_tokens, turn.chunks)
         # At hundreds of tokens/s, redrawing per token would cost more than the frames can show; and no
-        # more often than the reply itself is painted (measured: 20 redraws/s took 6 % of a core).
+        # more often than the reply itself is painted (each redraw costs the UI thread: docs/design/painting.md).
         every = max(REDRAW_S, self._pacer.pause)
         if turn.t_first is not None and time.monotonic() - self._drawn_at >= every:
             self._redraw()
