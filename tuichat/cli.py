@@ -60,10 +60,12 @@ def _backend(ctx: click.Context, config, options: EngineOptions, model: str | No
                  api_key_env or ctx.obj.get("api_key_env"))
 
 
-def _merge_options(base: EngineOptions, **given) -> EngineOptions:
+def _engine_options(config, *flag_sets: dict) -> EngineOptions:
+    """The config's engine options under each set of flags in turn (the group's, then the command's): a flag
+    left out (None) keeps what came before it."""
     from dataclasses import replace
 
-    return replace(base, **{k: v for k, v in given.items() if v is not None})
+    return replace(config.engine, **{k: v for flags in flag_sets for k, v in flags.items() if v is not None})
 
 
 def _load_config():
@@ -125,7 +127,7 @@ def main(ctx: click.Context, model, base_url, api_key_env, **engine_flags) -> No
     from tuichat.ui.app import run_tui
 
     config, warnings = _load_config()
-    options = _merge_options(config.engine, **engine_flags)
+    options = _engine_options(config, engine_flags)
     backend, config.model = _backend(ctx, config, options, model, base_url, api_key_env)
     run_tui(lambda: backend, config, Store(), warnings)
 
@@ -169,7 +171,7 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
     if system is not None:
         system = _utf8(system, "--system")
     config, _ = _load_config()
-    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    options = _engine_options(config, ctx.obj["engine_flags"], engine_flags)
     backend, model = _backend(ctx, config, options, model, base_url, api_key_env)
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
@@ -276,7 +278,7 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
               "--insecure-no-auth to serve anyone who can reach it.")
     config, _ = _load_config()
     model = model or ctx.obj.get("model") or config.model
-    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    options = _engine_options(config, ctx.obj["engine_flags"], engine_flags)
     from tuichat.backends.local import LocalBackend
 
     backend = LocalBackend(options, model, config.models)
@@ -331,7 +333,7 @@ def bench(ctx, model, quick, scenarios, tabs, stagger_ms, turns, max_tokens, pee
         _bench_remote(ctx, config, wanted, base_url, api_key_env, quick, scenarios, tabs, stagger_ms, turns,
                       max_tokens, peers, as_json)
         return
-    options = _merge_options(config.engine, **{**ctx.obj["engine_flags"], **{k: v for k, v in engine_flags.items() if v is not None}})
+    options = _engine_options(config, ctx.obj["engine_flags"], engine_flags)
     try:
         caps = {} if max_tokens is None else dict(single_tokens=max_tokens, tab_tokens=max_tokens, turn_tokens=max_tokens)
         settings = bench_module.BenchSettings.make(
