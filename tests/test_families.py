@@ -4,7 +4,7 @@ does around it: one request alone, requests joining at different steps, chunked 
 on a second turn, preemption under a tiny pool. Every prompt but the shortest is longer than the sliding
 windows, and the weights are large enough that attention is sharp: a window off by one position, a skipped
 softcap or a wrong mask changes tokens. Families tuichat cannot run faithfully are refused by name, and the
-README's table of families is this file's list."""
+docs/models.md's table of families is this file's list."""
 
 from __future__ import annotations
 

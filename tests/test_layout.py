@@ -104,6 +104,14 @@ def test_only_the_local_backend_and_the_benchs_peers_reach_into_the_engine():
                       and n not in VOCABULARY) == []
 
 
+def test_the_architecture_pages_picture_is_the_codes():
+    """docs/architecture.md's import graph and module index are generated from the code: a move or a new import
+    that is not redrawn fails here, so the picture cannot drift."""
+    result = subprocess.run([sys.executable, "scripts/import_map.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_the_code_passes_the_linter():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     assert ruff is not None, "ruff is in the test extras: ./setup.sh installs it"

@@ -68,7 +68,7 @@ DEFAULT_CONFIG_TOML = """\
 
 [sampling]
 # Unset, a reply samples as the model's generation config recommends, or else with temperature 0.2, top_p 0.9
-# and frequency_penalty 0.5 (the setting that loops least on the embedded model: see README).
+# and frequency_penalty 0.5 (the setting that loops least on the embedded model: see docs/design/sampling.md).
 # 0 is greedy: always the likeliest token, so the same prompt gives the same reply, untouched by the default
 # penalty (only one set here applies). Higher is more varied.
 # temperature = 0.2

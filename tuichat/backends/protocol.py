@@ -23,7 +23,7 @@ Role = Literal["system", "user", "assistant"]
 
 
 # What a chat samples with when neither the model's generation config nor the user says: of the settings
-# scripts/loops.py compares (README), the one whose replies loop least on the embedded model.
+# scripts/loops.py compares (docs/design/sampling.md), the one whose replies loop least on the embedded model.
 CHAT_SAMPLING: Mapping[str, Any] = {"temperature": 0.2, "top_p": 0.9, "frequency_penalty": 0.5}
 
 

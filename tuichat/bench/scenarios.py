@@ -55,7 +55,7 @@ def on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) on a thread that ends with it. libgomp keeps an OpenMP pool for every live thread that ever ran
     a torch parallel region, and once the pools hold more threads than there are cores it stops spinning between
     regions: each of a step's regions then waits for a futex wake, and a lasting pool beside the engine thread's
-    slows every tuichat step (README, "One OpenMP pool"). That, not the main thread as such, is why torch once
+    slows every tuichat step (docs/design/kernels.md, "One OpenMP pool"). That, not the main thread as such, is why torch once
     seemed slower from the main thread. So no bench torch work runs on the main thread or on a thread that
     outlives it, nor while an engine thread lives (an idle one ends after IDLE_EXIT_S): at most one pool is
     alive, for tuichat and its peers alike."""
