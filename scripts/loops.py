@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
-from tuichat.backends.local import LocalBackend
+from tuichat.bench.backend import BenchBackend
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "Give me three tips for sleeping better.",
@@ -53,7 +53,7 @@ def loops(ids: list[int], n: int = 8, times: int = 3) -> bool:
     return False
 
 
-async def run(backend: LocalBackend, params: SamplingParams, tag: str) -> tuple[int, int, float]:
+async def run(backend: BenchBackend, params: SamplingParams, tag: str) -> tuple[int, int, float]:
     async def one(i: int, prompt: str):
         events = [e async for e in backend.stream(f"{tag}-{i}", [Message("user", prompt)], params)]
         return (backend.cached_token_ids(f"{tag}-{i}")[events[-1].usage.prompt_tokens:], events[-1].usage,
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="candidates whose name contains one of these")
     parser.add_argument("--show", action="store_true", help="print each candidate's reply to the first prompt")
     args = parser.parse_args()
-    backend = LocalBackend(EngineOptions(prefix_cache=False), args.model)
+    backend = BenchBackend(EngineOptions(prefix_cache=False), args.model)
 
     async def everything():
         await backend.load(args.model)

@@ -15,6 +15,7 @@ from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher, _backend_decode
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.backends.local import LocalBackend, chat_ids
+from tuichat.bench.backend import BenchBackend
 
 QUESTION = [Message("user", "Name three primary colors.")]
 
@@ -94,7 +95,7 @@ def test_multi_turn_conversation_hits_the_cache_and_matches_generate(embedded):
     """Each turn's prompt is built from the last turn's real ids (the fast path), and is exactly the prompt
     transformers' chat template gives for the same messages; the reply is `generate`'s on that prompt."""
     _, _, reference, tokenizer = embedded
-    backend = LocalBackend(EngineOptions(dtype="float32"))
+    backend = BenchBackend(EngineOptions(dtype="float32"))
 
     async def turn(messages):
         text, last = [], None

@@ -200,7 +200,7 @@ def test_after_a_worker_dies_mid_reply_the_backend_restarts_the_workers(tmp_path
     from test_prompts import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
     from tuichat.backends.protocol import EngineOptions, Message
-    from tuichat.backends.local import LocalBackend
+    from tuichat.bench.backend import BenchBackend
 
     tokenizer = build_tokenizer("byte-level BPE, ChatML (SmolLM2, Qwen)")
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -210,7 +210,7 @@ def test_after_a_worker_dies_mid_reply_the_backend_restarts_the_workers(tmp_path
     reference = LlamaForCausalLM(config).eval()
     reference.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    backend = LocalBackend(EngineOptions(dtype="float32", tp=2), default_model=str(tmp_path))
+    backend = BenchBackend(EngineOptions(dtype="float32", tp=2), default_model=str(tmp_path))
     question = [Message("user", "the cat sat on a mat?")]
 
     async def reply(conversation: str, params: SamplingParams, on_event=None):

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers import hf_greedy
 from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
-from tuichat.backends.local import LocalBackend
+from tuichat.bench.backend import BenchBackend
 
 WORDS = ("the cat sat on a warm mat while rain fell over quiet hills and small birds sang songs about "
          "rivers stones light bread winter tea code python list tuple print loop file read write").split()
@@ -98,7 +98,7 @@ def letters(ids: list[int], tokenizer) -> str:
 
 def test_every_turn_builds_on_the_last_turns_ids_and_hits_the_cache(model_folder):
     kind, folder, reference, tokenizer = model_folder
-    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=str(folder))
+    backend = BenchBackend(EngineOptions(dtype="float32"), default_model=str(folder))
     questions = ["the cat sat on a mat?", "and the birds sang songs about rivers?", "write a python loop",
                  "read the file, print the list"]
 
@@ -129,7 +129,7 @@ def test_every_turn_builds_on_the_last_turns_ids_and_hits_the_cache(model_folder
 def test_an_edited_reply_gets_the_templates_own_ids(model_folder):
     """What the user changed is not what the model said: the next prompt is the template's, not a splice."""
     _, folder, _, tokenizer = model_folder
-    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=str(folder))
+    backend = BenchBackend(EngineOptions(dtype="float32"), default_model=str(folder))
 
     async def conversation():
         messages = [Message("user", "the cat sat on a mat?")]
@@ -149,7 +149,7 @@ def test_a_stateless_client_resending_its_history_as_text_keeps_the_real_ids(mod
     as the client received them. The turn it continues is found by its text, and its real ids carried over:
     re-tokenizing the replies would lose the cache's hit with every SentencePiece-style tokenizer here."""
     kind, folder, _, tokenizer = model_folder
-    backend = LocalBackend(EngineOptions(dtype="float32"), default_model=str(folder))
+    backend = BenchBackend(EngineOptions(dtype="float32"), default_model=str(folder))
     questions = ["the cat sat on a mat?", "and the birds sang songs about rivers?", "write a python loop"]
 
     async def conversation():

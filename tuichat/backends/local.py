@@ -46,7 +46,6 @@ class _Conversation:
     num_messages: int  # of that prompt
     prompt_ids: list[int]  # the ids the engine ran for it
     completion_ids: list[int]  # and the ids it produced
-    reused: int = 0  # history ids the last turn's prompt took over unchanged (for tests and the bench)
 
 
 @dataclass
@@ -254,14 +253,14 @@ class LocalBackend:
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         def build(name: str, loaded: _Loaded):
-            rendered, prompt, reused = self._prompt(name, loaded, conversation_id, messages)
+            rendered, prompt, _ = self._prompt(name, loaded, conversation_id, messages)
 
             def remember(seq) -> None:
                 self._conversations.pop(conversation_id, None)  # to the end: the most recent
                 while len(self._conversations) >= MAX_CONVERSATIONS:
                     self._conversations.popitem(last=False)
                 self._conversations[conversation_id] = _Conversation(
-                    name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids, reused
+                    name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids
                 )
 
             return prompt, remember
@@ -323,16 +322,6 @@ class LocalBackend:
         if engine is not None:
             engine.cancel(request_id)
 
-    def cached_token_ids(self, conversation_id: str) -> list[int]:
-        """The ids the next turn of this conversation builds on (for tests and the bench)."""
-        conversation = self._conversations.get(conversation_id)
-        return conversation.prompt_ids + conversation.completion_ids if conversation else []
-
-    def reused_tokens(self, conversation_id: str) -> int:
-        """How many ids of the last turn's prompt were the turn before's own (for tests and the bench)."""
-        conversation = self._conversations.get(conversation_id)
-        return conversation.reused if conversation else 0
-
     # -- metrics ------------------------------------------------------------------------------------------
     def stats(self, model: str | None = None) -> EngineStats:
         loaded = self._loaded.get(model or self.default_model) or next(iter(self._loaded.values()), None)
@@ -362,13 +351,6 @@ class LocalBackend:
             accepted_tokens=engine.accepted_tokens,
             tokens_per_step=engine.sampled_tokens / engine.sampled_steps if engine.sampled_steps else 0.0,
         )
-
-    def set_speculate(self, model: str, mode: str) -> None:
-        """Speculative decoding's mode for a loaded model, from its engine's next step; its other options stay."""
-        loaded = self._loaded.get(self._names.get(model, model))
-        if loaded is None:
-            raise TuichatError(f"{model} is not loaded.")
-        loaded.engine.set_speculate(mode)
 
     def sampling_defaults(self, model: str) -> dict:
         loaded = self._loaded.get(self._names.get(model, model))

@@ -45,12 +45,12 @@ async def stream_once(backend, conversation_id: str, messages: Sequence[Message]
 
 
 class _Tuichat:
-    """One LocalBackend with given options, loaded and warmed up once, closed on exit."""
+    """One BenchBackend with given options, loaded and warmed up once, closed on exit."""
 
     def __init__(self, settings: BenchSettings, **changes: Any) -> None:
-        from tuichat.backends.local import LocalBackend
+        from tuichat.bench.backend import BenchBackend
 
-        self.backend = LocalBackend(settings.engine_options(**changes), settings.model)
+        self.backend = BenchBackend(settings.engine_options(**changes), settings.model)
         self.model = settings.model
         self.kernels: dict[str, str] = {}
 
