@@ -1,27 +1,26 @@
-"""How fast a key reaches the prompt, idle and while tabs stream, measured: `python -m scripts.ui_latency [tabs]`
-from the checkout's root, on the fake backend (tests/fake_backend.py) in temporary folders: the same keys typed at
+"""How fast a key reaches the prompt, idle and while tabs stream, measured: `python scripts/ui_latency.py [tabs]`,
+on the demo backend (tuichat/ui/demo.py) in temporary folders: the same keys typed at
 a fast typist's pace into an idle app, then with the tabs streaming long replies at 100 tokens/s each; the time
 from a key event entering the app to its character in the prompt's document, and the ratio of the medians.
 tests/test_ui_latency.py asserts the behaviour this times (a key never waits for the streams)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 from textual import events
 from textual.widgets import TextArea
 
-from tests.fake_backend import FakeBackend
-from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.demo import REPLIES
+from tuichat.ui.demo import REPLIES, DemoBackend
+from tuichat.ui.measure import until
 
 KEYS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"
 
@@ -45,7 +44,7 @@ def summary(values: list[float]) -> str:
 
 
 async def measure(tabs: int) -> None:
-    backend = FakeBackend(first_token_s=0.05, token_s=0.01, replies=["\n\n".join(REPLIES * 8)])
+    backend = DemoBackend(first_token_s=0.05, token_s=0.01, load_s=0.02, replies=["\n\n".join(REPLIES * 8)])
     inserted: dict[str, float] = {}
 
     def hook(message) -> None:
@@ -78,6 +77,9 @@ async def measure(tabs: int) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tabs", type=int, nargs="?", default=4, help="tabs streaming while the keys are typed")
+    args = parser.parse_args()
     for name in ("CONFIG", "DATA", "CACHE"):
         os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
-    asyncio.run(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 4))
+    asyncio.run(measure(args.tabs))

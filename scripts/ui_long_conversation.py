@@ -1,5 +1,5 @@
-"""How a long conversation feels, measured: `[SEND_TURNS=n] python -m scripts.ui_long_conversation [messages] [window]`
-from the checkout's root, on the fake backend (tests/fake_backend.py) in temporary folders:
+"""How a long conversation feels, measured: `[SEND_TURNS=n] python scripts/ui_long_conversation.py [messages] [window]`,
+on the demo backend (tuichat/ui/demo.py) in temporary folders:
 (a) restoring a 300-message tab: app start until the first frame, and opening it from history;
 (b) streaming a reply at the end of it: frames (layout + compositor update) and their cost per token;
 (a') with SEND_TURNS: then n turns sent in a new tab, time per turn early and late; (b) and (c) in that tab;
@@ -9,22 +9,21 @@ tests/test_ui_long.py asserts the behaviour this times.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 from textual import events
 from textual.widgets import TextArea
 
-from tests.fake_backend import FakeBackend
-from tests.test_ui_long import SIZE, Frames, fill
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.demo import REPLIES
+from tuichat.ui.demo import REPLIES, DemoBackend, fill_history
+from tuichat.ui.measure import SIZE, Frames
 
 
 def summary(values: list[float]) -> str:
@@ -39,12 +38,12 @@ def summary(values: list[float]) -> str:
 
 async def measure(messages: int, sent_turns: int = 0) -> None:
     store = Store()
-    long_id = fill(store, messages)
+    long_id = fill_history(store, messages)
     store.set_setting("active_conversation", long_id)
-    closed_id = fill(store, messages, "closed")
+    closed_id = fill_history(store, messages, "closed")
     store.set_open(closed_id, False)
     long_reply = "\n\n".join(REPLIES * 6)
-    backend = FakeBackend(first_token_s=0.05, token_s=0.01, replies=[long_reply])
+    backend = DemoBackend(first_token_s=0.05, token_s=0.01, load_s=0.02, replies=[long_reply])
     inserted: dict[str, float] = {}
 
     def hook(message) -> None:
@@ -77,12 +76,12 @@ async def measure(messages: int, sent_turns: int = 0) -> None:
                 tab = app.active_tab
                 await pilot.pause()
                 backend.first_token_s, backend.token_s, backend.replies = 0.0, 0.0, list(REPLIES)
-                turn_ms = []
+                turn_ms, sent_before = [], backend.streams
                 for turn in range(sent_turns):
                     start = time.perf_counter()
                     tab.prompt.insert(f"turn {turn}")
                     tab.prompt.action_send()
-                    while len(backend.calls) <= turn or tab.busy:
+                    while backend.streams <= sent_before + turn or tab.busy:
                         await asyncio.sleep(0.002)
                     turn_ms.append((time.perf_counter() - start) * 1000)
                 tens = [f"{statistics.median(turn_ms[i : i + 10]):.0f}" for i in range(0, sent_turns, 10)]
@@ -127,11 +126,14 @@ async def measure(messages: int, sent_turns: int = 0) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("messages", type=int, nargs="?", default=300, help="messages in the long conversation")
+    parser.add_argument("window", type=int, nargs="?", help="try another window size (messages mounted)")
+    args = parser.parse_args()
     for name in ("CONFIG", "DATA", "CACHE"):
         os.environ[f"TUICHAT_{name}_DIR"] = tempfile.mkdtemp()
-    if len(sys.argv) > 2:  # try another window size
+    if args.window is not None:
         import tuichat.ui.message_log
 
-        tuichat.ui.message_log.WINDOW = int(sys.argv[2])
-    messages = int(sys.argv[1]) if len(sys.argv) > 1 else 300
-    asyncio.run(measure(messages, int(os.environ.get("SEND_TURNS", "0"))))
+        tuichat.ui.message_log.WINDOW = args.window
+    asyncio.run(measure(args.messages, int(os.environ.get("SEND_TURNS", "0"))))

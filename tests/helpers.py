@@ -3,7 +3,6 @@ the packed engines' prompts and measures. Imported as `from tests.helpers import
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import random
@@ -15,16 +14,6 @@ from pathlib import Path
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
-
-
-async def until(condition, what: str = "condition", *, timeout: float = 10.0) -> None:
-    """Wait for the condition a test is about to assert, never for a time: poll `condition()` every 10 ms of the
-    loop (asyncio.sleep, not pilot.pause, which forces a full screen refresh each time); fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def wait_until(condition, what: str = "condition", *, timeout: float = 30.0) -> None:

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from tests.helpers import until
 from tuichat.backends.protocol import TuichatError, EngineOptions, Message, SamplingParams, chat_sampling
 from tuichat.backends.local import LocalBackend
+from tuichat.ui.measure import until
 
 LONG = SamplingParams(max_tokens=40)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import mode, until
+from tests.helpers import mode
 from fake_backend import FakeBackend
 from tuichat import locks as locks_module
 from tuichat.config import Config
@@ -23,6 +23,7 @@ from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.screens import SearchScreen
+from tuichat.ui.measure import until
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = (110, 36)

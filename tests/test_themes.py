@@ -8,8 +8,8 @@ from textual.color import Color
 from textual.theme import Theme
 from textual.widgets import Button, Footer, Input, Markdown, TextArea
 
-from tests.helpers import until
 from tuichat.themes import bundled_themes_dir, load_themes, theme_from_dict, user_themes_dir
+from tuichat.ui.measure import until
 
 CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "themes"
 

@@ -14,7 +14,6 @@ import pytest
 from textual.widgets import Markdown, Static
 
 from tests.fake_backend import SHORT_REPLIES, FakeBackend, Tap, VirtualClock
-from tests.helpers import until
 from tuichat.backends.protocol import CHAT_SAMPLING, EngineStats, SamplingParams, Usage
 from tuichat.config import Config
 from tuichat.store import Store
@@ -24,6 +23,7 @@ from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import HelpScreen, ModelPicker, SamplingScreen, SearchScreen
 from tuichat.ui.turns import sampling_key
+from tuichat.ui.measure import until
 from tuichat.ui.widgets import EnginePanel, TtftMeter
 
 SIZE = (110, 36)

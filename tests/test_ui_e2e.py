@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from tests.helpers import until
 from tuichat.backends.protocol import EngineOptions
 from tuichat.config import Config
 from tuichat.backends.local import LocalBackend
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
+from tuichat.ui.measure import until
 
 
 async def test_question_answered_by_the_embedded_model(embedded):

@@ -12,11 +12,11 @@ from textual import events
 from textual.widgets import TextArea
 
 from tests.fake_backend import FakeBackend, Tap
-from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.demo import REPLIES
+from tuichat.ui.measure import until
 
 TABS = 4
 KEYS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"

@@ -11,32 +11,17 @@ import time
 from dataclasses import replace
 
 import pytest
-from textual.screen import Screen
 from textual.widgets import Markdown
 
 from tests.fake_backend import FakeBackend
-from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.message_log import PAGE, WINDOW, EarlierMessages
 from tuichat.ui.messages import AssistantMessage, UserMessage
-from tuichat.ui.demo import REPLIES
+from tuichat.ui.demo import fill_history
+from tuichat.ui.measure import SIZE, until
 from tuichat.ui.pacing import PaintPacer
-
-SIZE = (110, 36)
-
-
-def fill(store: Store, messages: int, title: str = "long") -> str:
-    conversation = store.create_conversation(title, "smollm2-135m")
-    for index in range(messages // 2):
-        store.add_message(conversation, "user", f"question {index}: tell me about thing {index}")
-        store.add_message(
-            conversation, "assistant", f"Answer {index}.\n\n" + REPLIES[index % len(REPLIES)],
-            meta={"model": "smollm2-135m", "ttft_ms": 100.0},
-        )
-    return conversation
-
 
 @pytest.fixture(autouse=True)
 def tuichat_dirs(tmp_path, monkeypatch):
@@ -46,7 +31,7 @@ def tuichat_dirs(tmp_path, monkeypatch):
 
 def long_app(messages: int = 300, **backend_args) -> tuple[TuichatApp, FakeBackend, str]:
     store = Store()
-    conversation = fill(store, messages)
+    conversation = fill_history(store, messages)
     store.set_setting("active_conversation", conversation)
     backend = FakeBackend(**backend_args)
     app = TuichatApp(lambda: backend, Config(), store)
@@ -220,39 +205,3 @@ async def test_a_fast_stream_is_painted_in_bursts_and_its_first_token_at_once(mo
     # However fast this machine streams: after the first token, no more paints than one per shortest pause.
     most = (finished - first_painted) / PaintPacer.SHORTEST + 1
     assert len(painted) <= most, (len(painted), most)
-
-
-class Frames:
-    """Times Screen._on_timer_update (layout + compositor update) and _refresh_layout."""
-
-    def __init__(self) -> None:
-        self.frames: list[tuple[float, float]] = []  # (end perf_counter, duration ms)
-        self.layouts: list[float] = []
-        self._on_timer_update = Screen._on_timer_update
-        self._refresh_layout = Screen._refresh_layout
-
-    def __enter__(self):
-        frames = self
-
-        def on_timer_update(screen):
-            start = time.perf_counter()
-            frames._on_timer_update(screen)
-            end = time.perf_counter()
-            frames.frames.append((end, (end - start) * 1000))
-
-        def refresh_layout(screen, *args, **kwargs):
-            start = time.perf_counter()
-            frames._refresh_layout(screen, *args, **kwargs)
-            frames.layouts.append((time.perf_counter() - start) * 1000)
-
-        Screen._on_timer_update = on_timer_update
-        Screen._refresh_layout = refresh_layout
-        return self
-
-    def __exit__(self, *exc) -> None:
-        Screen._on_timer_update = self._on_timer_update
-        Screen._refresh_layout = self._refresh_layout
-
-    def clear(self) -> None:
-        self.frames.clear()
-        self.layouts.clear()

@@ -10,9 +10,9 @@ import pytest
 
 from tests.test_ui import make_app, send
 from tests.fake_backend import FakeBackend
-from tests.helpers import until
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.widgets import TtftMeter
+from tuichat.ui.measure import until
 
 TOKEN_S = 0.01  # tokens arrive this often: a paint is due at the first token after its pause
 

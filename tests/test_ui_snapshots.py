@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from tests.fake_backend import FakeBackend, VirtualClock
-from tests.helpers import until
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.demo import REPLIES
+from tuichat.ui.measure import until
 
 SIZE = (110, 34)
 

@@ -56,6 +56,19 @@ message needs computing.
 ]
 
 
+def fill_history(store, messages: int, title: str = "long") -> str:
+    """A conversation of `messages` canned messages in `store` (a tuichat.store.Store), for a long history to
+    open, scroll and search; its id."""
+    conversation = store.create_conversation(title, "smollm2-135m")
+    for index in range(messages // 2):
+        store.add_message(conversation, "user", f"question {index}: tell me about thing {index}")
+        store.add_message(
+            conversation, "assistant", f"Answer {index}.\n\n" + REPLIES[index % len(REPLIES)],
+            meta={"model": "smollm2-135m", "ttft_ms": 100.0},
+        )
+    return conversation
+
+
 class DemoBackend:
     """Follows the Backend protocol with canned replies. Timings are parameters, and so are `clock` and
     `sleep`: a virtual clock makes the numbers on screen the same on every machine."""
@@ -81,6 +94,7 @@ class DemoBackend:
         self.loaded: list[str] = []
         self.cancelled: list[str] = []  # conversation ids passed to cancel()
         self.in_flight: set[str] = set()
+        self.streams = 0  # replies asked for: a turn sent has reached the backend
         self._cached: dict[str, int] = {}  # conversation -> tokens its KV holds (prompt + reply)
         self._prompt_tokens = 0
         self._hit_tokens = 0
@@ -121,6 +135,7 @@ class DemoBackend:
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
+        self.streams += 1
         if conversation_id in self.cancelled:
             self.cancelled.remove(conversation_id)
         usage = self._usage(conversation_id, messages)
