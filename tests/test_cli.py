@@ -53,7 +53,7 @@ def test_paths_prints_every_location(tmp_path):
     assert {name: value.strip() for name, value in printed.items()} == {
         "config": str(tmp_path / "conf" / "config.toml"),
         "themes": str(tmp_path / "conf" / "themes"),
-        "bundled": str(CHECKOUT / "themes"),
+        "bundled": str(CHECKOUT / "tuichat" / "themes"),
         "history": str(tmp_path / "hist" / "history.sqlite3"),
         "cache": str(tmp_path / "c"),
     }
