@@ -90,7 +90,7 @@ def generated() -> str:
         name = room(module) or next((r for r in order if r.startswith(module.partition(".")[2] or "-")), "cli")
         return order.index(name)
 
-    for module, path in sorted(paths.items(), key=lambda item: (place(item[0]), item[0])):
+    for _, path in sorted(paths.items(), key=lambda item: (place(item[0]), item[0])):
         if path.name != "__init__.py" or path.read_text().strip():
             lines.append(f"| `{path.relative_to(ROOT)}` | {first_line(path)} |")
     return "\n".join([START, *lines, END])
