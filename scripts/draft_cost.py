@@ -55,9 +55,9 @@ def vnni_peak() -> str:
         source, binary = os.path.join(folder, "peak.c"), os.path.join(folder, "peak")
         with open(source, "w") as f:
             f.write(PEAK_LOOP)
-        from tuichat.engine import cpu_kernel
+        from tuichat.engine.cpu import build
 
-        built = subprocess.run([cpu_kernel._compiler() or "cc", "-O2", "-march=native", "-fopenmp", source, "-o", binary],
+        built = subprocess.run([build._compiler() or "cc", "-O2", "-march=native", "-fopenmp", source, "-o", binary],
                                capture_output=True, text=True)
         if built.returncode:
             return "not built (needs cc and AVX-512 VNNI): " + built.stderr.strip().splitlines()[-1]

@@ -132,7 +132,8 @@ def main() -> None:
 
     from tuichat import catalog
     from tuichat.engine import loader
-    from tuichat.engine import cpu_kernel, quant
+    from tuichat.engine import quant
+    from tuichat.engine.cpu import build
     from tuichat.engine.engine import Engine, EngineConfig
 
     modes = args.quant.split(",")
@@ -144,7 +145,7 @@ def main() -> None:
         int4 = [(formats[v.partition("/")[0]], formats[v.partition("/")[2] or v.partition("/")[0]])
                 for v in args.int4.lower().split(",")]
         modes = [m for mode in modes for m in ([mode] if mode != "int4" else ["int4"] * len(int4))]
-    cpu_kernel.load()  # built before any engine is timed
+    build.load()  # built before any engine is timed
     torch.manual_seed(0)
     resolved = catalog.resolve(args.model)
     cpu = torch.device("cpu")

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tuichat.engine import cpu_kernel
+from tuichat.engine.cpu import build, native
 
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
 LAYER_SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
-    kernel, why = cpu_kernel.load()
+    kernel, why = build.load()
     print(f"tuichat kernel: {why}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.02).bfloat16() for _ in range(args.layers) for n, k in LAYER_SHAPES]
@@ -44,7 +44,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
         for name, linear in candidates.items():
-            if name != "torch" and rows > cpu_kernel.MAX_ROWS:
+            if name != "torch" and rows > native.MAX_ROWS:
                 continue
             one_pass(weights, inputs, linear)  # warm-up
             start = time.perf_counter()

@@ -39,21 +39,21 @@ def permissive_umask():
     os.umask(old)
 
 
-def _kernels_built_for(build: str, session_cache):
-    from tuichat.engine import cpu_kernel
+def _kernels_built_for(arch: str, session_cache):
+    from tuichat.engine.cpu import build
 
-    if not CPU_BUILDS[build] <= cpu_kernel.cpu_flags():
-        pytest.skip(cannot_run(build, cpu_kernel.cpu_flags()))
+    if not CPU_BUILDS[arch] <= build.cpu_flags():
+        pytest.skip(cannot_run(arch, build.cpu_flags()))
     patch = pytest.MonkeyPatch()
     patch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
-    patch.setenv("TUICHAT_CPU_ARCH", build)
-    cpu_kernel.load.cache_clear()
-    kernel, why = cpu_kernel.load()
+    patch.setenv("TUICHAT_CPU_ARCH", arch)
+    build.load.cache_clear()
+    kernel, why = build.load()
     if kernel is None:
         pytest.skip(no_kernels(why))
     yield kernel
     patch.undo()
-    cpu_kernel.load.cache_clear()
+    build.load.cache_clear()
 
 
 @pytest.fixture(scope="module", params=list(CPU_BUILDS))

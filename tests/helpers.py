@@ -116,7 +116,7 @@ RUNS_ON = {
     "native": "every machine kind, in its own instruction set",
     "cooperlake": "the Zen 4 kind and the Intel Xeon with AMX (the Ice Lake kind has no AVX512-BF16)",
     "haswell": "every machine kind",
-    "amx": "the Intel Xeon with AMX alone (amx_linear.c and decoder.c's AMX branches)",
+    "amx": "the Intel Xeon with AMX alone (arch/x86/amx.c and decoder.c's AMX branches)",
     "kernels": "every machine kind, with the C compiler its image has",
     "llama-server": "no machine kind as CI sets it up: by hand, on any kind, with TUICHAT_LLAMA_SERVER set",
 }

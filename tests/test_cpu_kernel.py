@@ -15,23 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import CPU_BUILDS, RUNS_ON, cannot_run, make_tiny, no_kernels
-from tuichat.engine import cpu_kernel
+from tuichat.engine.cpu import build, native
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
 
 
 @pytest.fixture
 def fresh_load():
-    cpu_kernel.load.cache_clear()
-    yield cpu_kernel.load
-    cpu_kernel.load.cache_clear()
+    build.load.cache_clear()
+    yield build.load
+    build.load.cache_clear()
 
 
 @pytest.fixture(params=list(CPU_BUILDS))
 def kernels(request, fresh_load, monkeypatch):
     """This CPU's build and the others of CPU_BUILDS that it can run."""
-    if not CPU_BUILDS[request.param] <= cpu_kernel.cpu_flags():
-        pytest.skip(cannot_run(request.param, cpu_kernel.cpu_flags()))
+    if not CPU_BUILDS[request.param] <= build.cpu_flags():
+        pytest.skip(cannot_run(request.param, build.cpu_flags()))
     monkeypatch.setenv("TUICHAT_CPU_ARCH", request.param)
     kernel, why = fresh_load()
     if kernel is None:
@@ -98,12 +98,12 @@ def test_a_row_does_not_depend_on_its_batch(kernels):
 
 def test_fits_only_what_the_kernel_handles():
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
-    assert cpu_kernel.CpuKernels.fits(w, None)
-    assert not cpu_kernel.CpuKernels.fits(w.float(), None)
-    assert not cpu_kernel.CpuKernels.fits(torch.zeros(32, 48, dtype=torch.bfloat16), None)  # K % 32
-    assert not cpu_kernel.CpuKernels.fits(torch.zeros(40, 64, dtype=torch.bfloat16), None)  # N % 16
-    assert not cpu_kernel.CpuKernels.fits(torch.zeros(64, 32, dtype=torch.bfloat16).T, None)  # not contiguous
-    assert not cpu_kernel.CpuKernels.fits(w, torch.zeros(32))  # float32 bias
+    assert native.CpuKernels.fits(w, None)
+    assert not native.CpuKernels.fits(w.float(), None)
+    assert not native.CpuKernels.fits(torch.zeros(32, 48, dtype=torch.bfloat16), None)  # K % 32
+    assert not native.CpuKernels.fits(torch.zeros(40, 64, dtype=torch.bfloat16), None)  # N % 16
+    assert not native.CpuKernels.fits(torch.zeros(64, 32, dtype=torch.bfloat16).T, None)  # not contiguous
+    assert not native.CpuKernels.fits(w, torch.zeros(32))  # float32 bias
 
 
 def test_transformers_layers_use_the_kernel_and_match_transformers(amx, monkeypatch):
@@ -113,8 +113,8 @@ def test_transformers_layers_use_the_kernel_and_match_transformers(amx, monkeypa
     assert engine.matmul == "amx"
     engine.runner.native = None  # as for models decoder.c does not cover: transformers' layers, our matmul
     calls = []
-    original = cpu_kernel.CpuKernels.__call__
-    monkeypatch.setattr(cpu_kernel.CpuKernels, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    original = native.CpuKernels.__call__
+    monkeypatch.setattr(native.CpuKernels, "__call__", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
     prompts = [[5, 9, 23, 7, 81, 3], [17, 4, 4, 60]]
     tables = [[0], [1]]
     chunks = [StepChunk(p, 0, t, True) for p, t in zip(prompts, tables)]
@@ -156,10 +156,10 @@ def test_failed_build_falls_back_to_torch_with_a_reason(fresh_load, monkeypatch,
 def test_a_missing_compiler_named_by_cc_falls_back_with_its_name(fresh_load, monkeypatch, tmp_path):
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert not cpu_kernel.build_pending()  # nothing to build with: no progress promised
+    assert not build.build_pending()  # nothing to build with: no progress promised
     kernel, why = fresh_load()
     assert kernel is None and "no-such-cc" in why and "not an executable" in why
-    assert not cpu_kernel.available()
+    assert not build.available()
 
 
 def test_a_failed_compile_says_its_error_lines(fresh_load, monkeypatch, tmp_path):
@@ -180,7 +180,7 @@ def test_a_compile_that_hangs_is_given_up(fresh_load, monkeypatch, tmp_path):
     cc.chmod(0o755)
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(cpu_kernel, "BUILD_TIMEOUT_S", 1)
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 1)
     kernel, why = fresh_load()
     assert kernel is None and "took over 1 s" in why
 
@@ -202,12 +202,12 @@ def test_without_kernels_the_dtype_is_what_torch_runs_best(fresh_load, monkeypat
 def test_a_first_build_is_announced(fresh_load, monkeypatch, tmp_path):
     """The first build takes seconds: the backend shows progress when build_pending() says one is coming."""
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
-    assert cpu_kernel.build_pending()
+    assert build.build_pending()
     kernel, why = fresh_load()
     assert kernel is not None, why
-    assert not cpu_kernel.build_pending()  # loaded in this process
-    cpu_kernel.load.cache_clear()
-    assert not cpu_kernel.build_pending()  # and on disk for the next one
+    assert not build.build_pending()  # loaded in this process
+    build.load.cache_clear()
+    assert not build.build_pending()  # and on disk for the next one
 
 
 
@@ -221,8 +221,8 @@ def copied_build(fresh_load, session_cache, tmp_path, monkeypatch):
     shutil.copytree(session_cache / "kernels", tmp_path / "cache" / "kernels")
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
     fresh_load.cache_clear()
-    library = cpu_kernel._library_path(cpu_kernel._compiler(), cpu_kernel._flags())
-    assert library.is_file() and not cpu_kernel.build_pending()  # the copy is trusted as it is
+    library = build._library_path(build._compiler(), build._flags())
+    assert library.is_file() and not build.build_pending()  # the copy is trusted as it is
     return library
 
 
@@ -267,12 +267,12 @@ def test_a_library_others_could_write_or_that_is_not_ours_is_not_trusted(copied_
                                                                  copied_build.parent.parent)]
         digest = (copied_build.parent / "cpu_kernels.so.sha256").read_text()
         change()
-        assert cpu_kernel.build_pending(), what
+        assert build.build_pending(), what
         for path, mode, uid in saved:
             os.chown(path, uid, -1)
             path.chmod(mode)
         (copied_build.parent / "cpu_kernels.so.sha256").write_text(digest)
-        assert not cpu_kernel.build_pending(), f"{what}, undone"
+        assert not build.build_pending(), f"{what}, undone"
 
 
 def test_an_untrusted_build_is_rebuilt_private_under_a_permissive_umask(copied_build, fresh_load):

@@ -250,7 +250,7 @@ def test_where_the_c_layers_do_not_run_the_model_serves_in_its_dtype_and_says_wh
     the model serves as it loaded, and `weights` says why int8 was not applied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tuichat.engine import cpu_kernel
+    from tuichat.engine.cpu import build
 
     monkeypatch.setattr(quant, "from_dense", lambda *a, **k: pytest.fail("quantized where the C layers do not run"))
     config = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
@@ -269,13 +269,13 @@ def test_where_the_c_layers_do_not_run_the_model_serves_in_its_dtype_and_says_wh
     try:
         with monkeypatch.context() as patch:
             patch.setenv("TUICHAT_CPU_KERNELS", "0")
-            cpu_kernel.load.cache_clear()
+            build.load.cache_clear()
             served = engine(dense, "int4")
         assert served.weights == "bfloat16 (int4 needs the C layers: no CPU kernels: off (TUICHAT_CPU_KERNELS))"
         assert served.layers == "transformers" and greedy(served, PROMPTS[1:2], tokens=3)
         served.close()
     finally:
-        cpu_kernel.load.cache_clear()  # the kernels again for the tests after this one
+        build.load.cache_clear()  # the kernels again for the tests after this one
 
 
 def ask(*args: str) -> dict:

@@ -59,7 +59,8 @@ def violations(rule) -> list[str]:
 def test_the_map_finds_the_layers():
     """The rules below see the modules they are about (a rename must not leave them checking nothing)."""
     for module in ("tuichat.engine.engine", "tuichat.engine.types", "tuichat.ui.app", "tuichat.ui.chat",
-                   "tuichat.backends.protocol", "tuichat.backends.local", "tuichat.store", "tuichat.cli"):
+                   "tuichat.backends.protocol", "tuichat.backends.local", "tuichat.store", "tuichat.cli",
+                   "tuichat.engine.cpu.build", "tuichat.engine.cpu.native"):
         assert module in MODULES, module
     assert "tuichat.engine.engine" in MODULES["tuichat.backends.local"]
 
@@ -110,6 +111,20 @@ def test_the_architecture_pages_picture_is_the_codes():
     result = subprocess.run([sys.executable, "scripts/import_map.py", "--check"], cwd=ROOT, capture_output=True,
                             text=True, check=False, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_only_the_engine_and_the_local_backend_reach_the_cpu_kernels():
+    """The kernels' package (build, bindings, C sources) is the engine's: the engine prepares models with it, and
+    LocalBackend asks it only whether a first build is coming (to show progress while it runs)."""
+    assert violations(lambda m, n: within(n, "tuichat.engine.cpu") and existing(n)
+                      and not within(m, "tuichat.engine", "tuichat.backends.local")) == []
+
+
+def test_the_c_sources_folder_holds_only_c():
+    """csrc/ is what build.py compiles, every .c of it into the one library, and what the wheel ships as data."""
+    csrc = PACKAGE / "engine" / "cpu" / "csrc"
+    assert sorted(csrc.rglob("*.c")), "build.py compiles nothing"
+    assert sorted(str(p.relative_to(csrc)) for p in csrc.rglob("*") if p.is_file() and p.suffix not in (".c", ".h")) == []
 
 
 def test_the_code_passes_the_linter():

@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import echoing_prompts, finished, step_until, stepping
 from tuichat.backends.protocol import SamplingParams
-from tuichat.engine import native
+from tuichat.engine.cpu import native
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
 

@@ -150,7 +150,8 @@ class LocalBackend:
             if (loaded := self._ready(resolved.name)) is not None:
                 loaded.last_used = time.monotonic()
                 return resolved.name
-            from tuichat.engine import cpu_kernel, loader, native
+            from tuichat.engine import loader
+            from tuichat.engine.cpu import build, native
             from tuichat.engine.engine import Engine, EngineConfig, recommended_sampling
 
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
@@ -158,7 +159,7 @@ class LocalBackend:
             device = loader.resolve_device(self.options.device)
             family = loader.family(resolved, progress)
             # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
-            if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and cpu_kernel.build_pending():
+            if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
             dtype = loader.resolve_dtype(self.options.dtype, device, family)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)

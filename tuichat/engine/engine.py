@@ -17,7 +17,8 @@ from typing import get_args
 
 import torch
 
-from tuichat.engine import attention, cpu_kernel, families, native, quant, speculate
+from tuichat.engine import attention, families, quant, speculate
+from tuichat.engine.cpu import build, native
 from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.families import ModelShape
@@ -175,13 +176,13 @@ class Engine:
             runner = parallel.TensorParallelRunner(model, self.kv, config.block_size, self.device, workers, plan_group, pipes)
         kernel = None
         if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
-            kernel, self.matmul = cpu_kernel.load()
+            kernel, self.matmul = build.load()
         self._draw_kernels = kernel  # sampled rows drawn in C (sampler.c) where the kernels are built
         packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
         decoder = None
         if config.fast_linears:  # after sharding: the fused weights are the rank's slices
             # transformers' layers take our linear only where it beat torch's at every row count measured:
-            # AMX (without it, ours lost to oneDNN on 512-row prefills; see README).
+            # AMX (without it, ours lost to oneDNN on 512-row prefills: scripts/matmul_bench.py --rows 512).
             speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
             if kernel is not None and runner is None:
                 why_not = native.unsupported_reason(model, kernel, self.attention)

@@ -5,7 +5,7 @@ At decode time a CPU step is dominated by per-call matmul overhead rather than b
   for standard models, so we concatenate their weights into one matmul and let the original attribute
   names hand out slices of its result. The layer's forward calls q, k, v (gate, up) one after another on
   the same tensor; the first call computes all of them, the others take their slice.
-- For models decoder.c does not cover, a step's rows go through the AMX linear of cpu_kernel.py when the
+- For models decoder.c does not cover, a step's rows go through the AMX linear of the CPU kernels when the
   model is bf16 on a CPU that has AMX; otherwise a single row goes through a matrix-vector kernel: torch's
   bf16 gemv reads the weights about twice as fast as its gemm does for one row.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
+from tuichat.engine.cpu.native import MAX_ROWS, CpuKernels
 
 _GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 

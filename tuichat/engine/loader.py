@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from tuichat.engine.types import TuichatError, ProgressCallback, ResolvedModel
 from tuichat.engine import families
-from tuichat.engine.cpu_kernel import cpu_flags
+from tuichat.engine.cpu.build import cpu_flags
 from tuichat.engine.heap import settle_heap
 from tuichat.engine.storage import cache_dir
 
@@ -59,9 +59,9 @@ def resolve_dtype(option: str, device: torch.device, family: str | None = None) 
     native_bf16 = cpu_flags() & {"avx512_bf16", "amx_bf16"}
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and native_bf16:
         return torch.bfloat16
-    from tuichat.engine import cpu_kernel, native
+    from tuichat.engine.cpu import build, native
 
-    return torch.bfloat16 if family in native.SUPPORTED_MODEL_TYPES and cpu_kernel.available() else torch.float32
+    return torch.bfloat16 if family in native.SUPPORTED_MODEL_TYPES and build.available() else torch.float32
 
 
 def report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:

@@ -2,10 +2,10 @@
 re-cut into blocks of 32), for the CPU kernels.
 
 A CPU decode step is bound by reading the weights; dequantized to bf16, SmolLM2-135M's Q4_1 file becomes 269
-MB a step where its own blocks are 96. The kernels (vector_linear.c) either expand a tile of blocks at a time
-into fp32, exactly as gguf's own dequantization does, or (x86 with AVX2) quantize the activations to int8 per
-block of 32 and sum int8 products, as llama.cpp does: faster, and it moves the logits by more than bf16
-rounding does (scripts/fidelity.py measures the argmax agreement with float32, next to llama.cpp's).
+MB a step where its own blocks are 96. The kernels (cpu/csrc/linear_quant.c and arch/) either expand a tile of
+blocks at a time into fp32, exactly as gguf's own dequantization does, or (x86 with AVX2) quantize the
+activations to int8 per block of 32 and sum int8 products, as llama.cpp does: faster, and it moves the logits
+by more than bf16 rounding does (scripts/fidelity.py measures the argmax agreement with float32, next to llama.cpp's).
 
 Which GGUF tensor is which linear comes from gguf's own name map for the file's architecture. Each packed
 tensor is checked against the weights transformers loaded (its converted, bf16 copy) on a sample of rows,
@@ -147,7 +147,7 @@ def _linears(model) -> dict[str, torch.nn.Module]:
 def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
     """{parameter name: packed weight} for each decoder linear and the lm_head whose GGUF tensor is Q8_0, Q4_0,
     Q4_1 (or, where the kernels take them, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) and whose rows match the model's own weights, laid out
-    for `kernel` (cpu_kernel.CpuKernels); everything else keeps the model's weights."""
+    for `kernel` (cpu.native.CpuKernels); everything else keeps the model's weights."""
     from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
     reader = GGUFReader(str(path))

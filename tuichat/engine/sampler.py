@@ -117,7 +117,7 @@ def _draw(row: np.ndarray, params: SamplingParams, u: float) -> int:
 def sample(logits: torch.Tensor, params: list[SamplingParams], noises: list[Noise | None], positions: list[int],
            replies: list[list[int]] | None = None, kernels=None) -> list[int]:
     """logits: [N, vocab] float32; positions: where each row's token goes in its sequence; replies: each row's
-    generated ids before it (for the penalties). `kernels` (cpu_kernel.CpuKernels): draw a row on the CPU with
+    generated ids before it (for the penalties). `kernels` (cpu.native.CpuKernels): draw a row on the CPU with
     their sample_row (sampler.c), the same draw in fewer passes. Returns one token id per row."""
     replies = replies or [None] * len(params)
     penalized = [_has_penalty(p, r) for p, r in zip(params, replies)]

@@ -1,8 +1,8 @@
 /* One sampled row's token, the draw sampler.py's numpy path makes, in a few passes over the row.
  *
  * Why C: each numpy step over a 49k-entry row is a separate pass, and right after a decode step has streamed
- * the weights through the caches those passes are cold; on 2 cores the numpy draw took a tenth of a one-row
- * step and a fifth of an 8-row one. Here the row is copied, penalized, scanned for its maximum and turned into
+ * the weights through the caches those passes are cold, and the numpy draw took a sizeable share of a step
+ * (docs/design/kernels.md). Here the row is copied, penalized, scanned for its maximum and turned into
  * weights with their sum in three passes (the penalties applied from the reply's ids as they come: no sort of
  * them); the nucleus is sorted from the tokens above a floor, as in numpy. */
 #include <stdint.h>

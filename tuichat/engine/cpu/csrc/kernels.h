@@ -1,6 +1,6 @@
-/* What amx_linear.c, vector_linear.c and decoder.c share: bf16 conversions and vector math written with GCC
- * vector extensions, so the same source compiles to AVX-512, AVX2 or NEON for the CPU it is built on
- * (cpu_kernel.py builds on first use, on the machine that runs it). Within one build every row takes the
+/* What every file of the library shares: bf16 conversions and vector math written with GCC vector extensions,
+ * so the same source compiles to AVX-512, AVX2 or NEON for the CPU it is built on (build.py builds on first
+ * use, on the machine that runs it), and the declarations below. Within one build every row takes the
  * same instructions in the same order, which is what keeps a reply independent of its batch. */
 #pragma once
 #include <stdint.h>
@@ -181,8 +181,8 @@ void *scratch_reserve(scratch *s, int use, size_t need);     /* zeroed when new;
 long kernels_trim(void);                                     /* frees what no call holds; bytes freed */
 long kernels_scratch_bytes(void);                            /* bytes the pool holds now */
 
-/* The linears (amx_linear.c, vector_linear.c). 0 on success; -1 a shape or format they do not take, -2 out of
- * memory. */
+/* The linears (linear*.c, pack.c, arch/; what they share among themselves is in linear.h). 0 on success; -1 a
+ * shape or format they do not take, -2 out of memory. */
 int amx_enable(void);
 int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                long x_stride, long y_stride, int threads);

@@ -1,5 +1,5 @@
 /* bf16 linear for the few rows of a decode step up to a whole prefill chunk (1 to 512 rows) on CPUs with
- * AMX; built and loaded by cpu_kernel.py.
+ * AMX, which cpu_linear (linear_bf16.c) runs in builds that have it.
  *
  * Such a step multiplies a few rows by every weight matrix, so it is bound by reading weights. The weights
  * stay in their nn.Linear layout [N, K]: they are the AMX "A" operand (16 weight rows by 32 values a tile),
@@ -7,7 +7,7 @@
  * weight tile is read once and multiplied with every chunk. While the tiles multiply one block of 16 weight
  * rows, the next block is prefetched: that overlap is what torch's kernels lack for these shapes.
  */
-#include "kernels.h"
+#include "../../kernels.h"
 
 #ifdef __AMX_TILE__
 #include <stdlib.h>
@@ -99,4 +99,6 @@ int amx_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint1
     free(pairs);
     return 0;
 }
+#else
+int amx_enable(void) { return 0; }  /* nothing to ask for */
 #endif

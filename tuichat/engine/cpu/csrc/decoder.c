@@ -1,11 +1,10 @@
 /* The decoder layers of a llama-family model (llama, mistral, qwen2) in one call, for steps of 1 to 512 rows,
  * in bf16 (or, with weights in a GGUF's blocks, fp32 over an f16 cache: see rms_norm_f32); built with the
- * linears (amx_linear.c or vector_linear.c) and driven by native.py.
+ * linears (linear.c) and driven by native.py.
  *
- * Why: with the matmuls in our own kernels, a decode step through transformers' modules still spent about a
- * third of its time in some 1,600 small torch ops and their Python: norms, rotary, casts, gathers, adds
- * (README has the measurements). Here a layer is
- * eight passes over a few rows. The arithmetic mirrors transformers' bf16 code: every place where torch
+ * Why: with the matmuls in our own kernels, a decode step through transformers' modules still spent much of
+ * its time in small torch ops and their Python: norms, rotary, casts, gathers, adds (docs/design/kernels.md
+ * has the figures). Here a layer is eight passes over a few rows. The arithmetic mirrors transformers' bf16 code: every place where torch
  * rounds an intermediate to bf16, this code rounds too, so the two differ only in the order of fp32 sums.
  *
  * Rows are the step's new tokens, of any sequences, in any order. Row t sits at position pos[t] of its
@@ -448,8 +447,8 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
     return 0;
 }
 
-/* A step from its token ids, in one call (each torch op it replaces cost ~10-30 us in a decode step, where the
- * weights just streamed through evicted the interpreter's caches); step_args (kernels.h) says what each argument
+/* A step from its token ids, in one call (each torch op it replaces costs more in a decode step than its work,
+ * as the weights just streamed through evicted the interpreter's caches); step_args (kernels.h) says what each argument
  * holds. The embedding gives hidden's rows (the step's dtype, as decoder_layers); the rows run through the layers
  * in pieces of up to 512, in order: a piece finds the K/V of those before it in the cache, as it would its own.
  * Then, with final_weight (f32 only), the final norm of the sample rows into `normed`, and with `head` their

@@ -1,28 +1,146 @@
-"""Steps of up to 512 rows (decodes, prefill chunks, both mixed) of a llama-family model in bf16 on a CPU run
-through decoder.c: all decoder layers in one C call instead of ~1,600 torch ops. With weights packed in a
-GGUF's blocks, every step runs there, its activations in fp32 and its KV cache in f16, as llama.cpp's.
+"""The library's Python side: every export's ctypes signature (CpuKernels) and the structs decoder_step reads
+(LayerWeights, StepArgs), mirrored from csrc/kernels.h and checked against the library's own layout before
+the first step (check_abi); and NativeDecoder, which runs steps of up to 512 rows (decodes, prefill chunks,
+both mixed) of a llama-family model on a CPU through decoder.c: all decoder layers in one C call instead of
+the many small torch ops of transformers' modules (docs/design/kernels.md). With weights packed in a GGUF's
+blocks, every step runs there, its activations in fp32 and its KV cache in f16, as llama.cpp's.
 
 transformers still computes the rotary cos/sin (so every RoPE variant it knows keeps working), kept per position
 where its variant depends on nothing else; the embedding lookup, the layers and (with packed weights) the final
 norm and the lm_head are one C call; in bf16 the final norm stays transformers' and the lm_head goes through
-our linear after it. Longer
-steps, other architectures, other dtypes and devices keep the transformers path of runner.py; both read and
-write the same paged cache.
+our linear after it. Longer steps, other architectures, other dtypes and devices keep the transformers path
+of runner.py; both read and write the same paged cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from tuichat.engine import quant
-from tuichat.engine.cpu_kernel import MAX_ROWS, CpuKernels
 from tuichat.engine.attention import ModelAttention
 from tuichat.engine.families import ModelShape, text_config
 from tuichat.engine.kv_cache import KVCache
 from tuichat.engine.quant import PackedWeight
 from tuichat.engine.runner import flatten
+
+MAX_ROWS = 512  # the CPU token budget: every step of the default scheduler fits
+
+
+class CpuKernels:
+    """The built library: `isa` says which instructions its linear uses ("amx", "avx512", "avx2", ...);
+    calling it runs the linear."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library  # keeps the .so mapped; NativeDecoder finds decoder_step in it
+        library.kernel_isa.restype = ctypes.c_char_p
+        self.isa: str = library.kernel_isa().decode()
+        self._fn = library.cpu_linear
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int]
+        library.quant_math.restype = ctypes.c_char_p
+        library.quant_math.argtypes = [ctypes.c_int, ctypes.c_int]
+        library.pack_layout.restype = ctypes.c_char_p
+        library.pack_layout.argtypes = [ctypes.c_int, ctypes.c_int]
+        library.pack_blocks.restype = ctypes.c_int
+        library.pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self._draw = library.sample_row
+        self._draw.restype = ctypes.c_int
+        self._draw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_float] * 4 + [
+            ctypes.c_int, ctypes.c_double]
+        self._any = library.any_linear
+        self._any.restype = ctypes.c_int
+        self._any.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [
+            ctypes.c_long] * 2 + [ctypes.c_int] * 2
+        library.kernel_abi.restype = ctypes.c_char_p
+        self.abi: str = library.kernel_abi().decode()  # decoder.c's structs, for check_abi
+        library.kernels_trim.restype = ctypes.c_long
+        library.kernels_scratch_bytes.restype = ctypes.c_long
+
+    def trim(self) -> int:
+        """Free the scratch memory no call holds (scratch.c); the bytes freed. The next call allocates again."""
+        return self.library.kernels_trim()
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch the library keeps for its next calls."""
+        return self.library.kernels_scratch_bytes()
+
+    @staticmethod
+    def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether a linear's parameters suit the kernel (checked once per layer, not per call)."""
+        out_features, in_features = weight.shape
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype is torch.bfloat16
+            and weight.is_contiguous()
+            and in_features % 32 == 0
+            and out_features % 16 == 0
+            and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_contiguous()))
+        )
+
+    def quant_math(self, format: int, in_features: int) -> str:
+        """How the kernels compute a GGUF format: "int8 VNNI" and the like (inputs quantized per block of 32, as
+        llama.cpp does) or "fp32" (the weights dequantized in registers, the inputs as they are)."""
+        return self.library.quant_math(format, in_features).decode()
+
+    def layout(self, format: int, in_features: int) -> str:
+        """How pack() lays out `format` with `in_features` inputs: "tiles", "pairs" or "rows"."""
+        return self.library.pack_layout(format, in_features).decode()
+
+    def pack(self, blocks, format: int, in_features: int) -> torch.Tensor:
+        """GGUF blocks (a C-contiguous uint8 array [N, K / 32 * block bytes]) in the order the kernels read them."""
+        out = torch.empty(blocks.shape, dtype=torch.uint8)
+        if self.library.pack_blocks(blocks.ctypes.data, format, blocks.shape[0], in_features, out.data_ptr()) != 0:
+            raise ValueError(f"the CPU kernels do not take format {format} with {in_features} inputs")
+        return out
+
+    def draw(self, row, params, u: float, reply: list[int] | None = None) -> int:
+        """The token sampler.py's numpy path draws from `row` (a float32 numpy row of logits) with `params`
+        and uniform `u`; `reply`: the reply's token ids so far, for params' penalties."""
+        row = np.ascontiguousarray(row, dtype=np.float32)
+        ids = np.asarray(reply if reply is not None else [], dtype=np.int64)
+        token = self._draw(row.ctypes.data, row.shape[0], ids.ctypes.data, len(ids), params.frequency_penalty,
+                           params.presence_penalty, params.temperature, params.top_p, params.top_k, u)
+        if token < 0:
+            raise MemoryError("sample_row could not allocate its scratch")
+        return token
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] with at most MAX_ROWS rows times a quant.PackedWeight (bf16 or GGUF blocks): bf16 in, bf16
+        out, or float32 in, float32 out (the quantized path's activations; see decoder.c)."""
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the CPU linear takes bf16 or float32 inputs, not {x.dtype}")
+        rows = x.reshape(-1, weight.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+        status = self._any(
+            rows.data_ptr(), weight.data.data_ptr(), weight.format, bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), rows.shape[0], weight.out_features, weight.in_features, rows.stride(0), weight.out_features,
+            torch.get_num_threads(), int(x.dtype is torch.float32),
+        )
+        if status != 0:
+            raise RuntimeError(f"any_linear failed ({status}) for {tuple(rows.shape)} x {weight.format}")
+        return y.view(*x.shape[:-1], weight.out_features)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] with at most MAX_ROWS rows, bf16; weight passed `fits`."""
+        out_features, in_features = weight.shape
+        rows = x.reshape(-1, in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        status = self._fn(
+            rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+            rows.shape[0], out_features, in_features, rows.stride(0), out_features, torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"cpu_linear failed ({status}) for {tuple(rows.shape)} x {tuple(weight.shape)}")
+        return y.view(*x.shape[:-1], out_features)
+
 
 # Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
 # RMSNorm, SiLU-gated MLP, residual. Qwen3 (q/k norms) or Gemma (scaled embeddings, other norms) are not.
@@ -137,8 +255,9 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 class RotaryTable:
     """cos/sin rows by position, computed by transformers' own rotary module and grown as positions arrive: a
-    decode step's cos/sin through the module cost ~0.1 ms (a few torch ops on caches the weights just
-    evicted); a lookup costs one gather. Variants outside _STATIC_ROPE go through the module every step."""
+    decode step's cos/sin through the module is a few torch ops on caches the weights just evicted (its cost:
+    docs/design/kernels.md); a lookup is one gather. Variants outside _STATIC_ROPE go through the module every
+    step."""
 
     GROW = 1024  # positions
 

@@ -1,0 +1,248 @@
+/* int8 dot products on 512-bit VNNI, tiles of 16 weight rows: every format quantized_linear (linear_quant.c)
+ * takes. The same arithmetic as linear_int8.c's (inputs quantized per block of 32, exact int32 block sums, the
+ * minimums' term), with the weights laid out so that one vector holds 4 consecutive quants of 16 rows: a dpbusd
+ * against 4 input quants broadcast from memory is 64 products, and one cvt and two fmadds per block scale 16
+ * outputs. The pair layout spends that per 8 outputs, a third of the products per instruction, which left
+ * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
+ * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), the 16 fp16 scales, then
+ * (Q4_1) the 16 fp16 minimums: the same bytes as GGUF's, tile by tile in the order they are read. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "../../linear.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TILED_ROWS 16
+#define TILED_MR 6  /* input rows per pass over a tile: 6 accumulators, 8 weight vectors, of 32 registers */
+/* A decode's tiles stream from DRAM, each thread through one contiguous range of them (static schedule):
+ * asking for the bytes this far ahead keeps enough loads in flight, where the hardware prefetcher, restarted
+ * at every short range a dynamic schedule handed out, did not. */
+#define PREFETCH_BYTES 4096
+#define OWN_COPY_ROWS 8  /* up to this many input rows, each thread quantizes them all (see tiled_linear) */
+int tiled_path(int K) { return K % 32 == 0; }
+
+static inline int tiled_block_bytes(int format) {
+    switch (format) {
+        case FMT_Q8_0: return 512 + 32;
+        case FMT_Q4_1: return 256 + 64;
+        case FMT_Q4_K_32: return 256 + 128;
+        case FMT_Q5_K_32: return 512 + 128;
+        case FMT_Q6_K_32: return 512 + 32 + 32;
+        default: return 256 + 32;
+    }
+}
+
+/* Whether a format's quants take a byte each in a tile (else a nibble). */
+static inline int byte_quants(int format) { return format == FMT_Q8_0 || format == FMT_Q5_K_32 || format == FMT_Q6_K_32; }
+
+/* Q6_K's block of 16 rows: its weights are signed (q - 32), so dpbusd takes them as its signed operand and the
+ * inputs as the unsigned one, shifted by 128 (x + 128 in 1..255); 128 times the weights' sum over each half, a
+ * product of the weights alone, comes back out in int32. Each half then has its own scale, d * sc. */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *block, const int8_t *q, const float *dx,
+                                                           int K, int blocks, int b, int m0, const int mr, __m512 *acc) {
+    __m512i w[8];
+    for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
+    const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(block + 544)));  /* hi:lo */
+    const __m512 scale_lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24)));
+    const __m512 scale_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 8)));
+    const __m512i shift = _mm512_set1_epi8((char)0x80);
+    __m512i back_lo = _mm512_setzero_si512(), back_hi = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        back_lo = _mm512_dpbusd_epi32(back_lo, shift, w[g]);
+        back_hi = _mm512_dpbusd_epi32(back_hi, shift, w[g + 4]);
+    }
+    for (int j = 0; j < mr; j++) {
+        const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {
+            uint32_t four, four_hi;
+            memcpy(&four, xq + 4 * g, 4);
+            memcpy(&four_hi, xq + 16 + 4 * g, 4);
+            lo = _mm512_dpbusd_epi32(lo, _mm512_set1_epi32((int)(four ^ 0x80808080u)), w[g]);
+            hi = _mm512_dpbusd_epi32(hi, _mm512_set1_epi32((int)(four_hi ^ 0x80808080u)), w[g + 4]);
+        }
+        __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, back_lo)), scale_lo);
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, back_hi)), scale_hi, sum);
+        acc[j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(dx[(long)(m0 + j) * blocks + b]), acc[j]);
+    }
+}
+
+/* Input rows [first, last) (bf16, or fp32 with f32): int8 quants in their own order (q, M x K), and per block dx
+ * and sx = dx * sum(q). */
+static void quantize_rows(const void *x, int f32, int first, int last, int K, long x_stride, int8_t *q, float *dx,
+                          float *sx) {
+    const int blocks = K / 32;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int m = first; m < last; m++)
+        for (int b = 0; b < blocks; b++) {
+            __m512 v0, v1;
+            if (f32) {
+                const float *p = (const float *)x + (long)m * x_stride + b * 32;
+                v0 = _mm512_loadu_ps(p);
+                v1 = _mm512_loadu_ps(p + 16);
+            } else {
+                const uint16_t *p = (const uint16_t *)x + (long)m * x_stride + b * 32;
+                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            }
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            float d = amax / 127.0f;
+            __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+            int8_t *out = q + (long)m * K + b * 32;
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(q0));  /* |q| <= 127: no saturation */
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(q1));
+            dx[(long)m * blocks + b] = d;
+            sx[(long)m * blocks + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
+                                                             const int8_t *q, const float *dx, const float *sx,
+                                                             int K, const uint16_t *bias, void *y,
+                                                             long y_stride, int n0, int m0, const int mr, int f32) {
+    const int quants = byte_quants(format) ? 512 : 256, bytes = tiled_block_bytes(format);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f);
+    __m512 acc[TILED_MR];
+    for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *block = tile + (long)b * bytes;
+        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
+        if (format == FMT_Q6_K_32) {
+            q6_block(block, q, dx, K, blocks, b, m0, mr, acc);
+            continue;
+        }
+        __m512i w[8];
+        if (byte_quants(format)) {
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
+        } else {
+            for (int h = 0; h < 4; h++) {
+                __m512i v = _mm512_loadu_si512(block + 64 * h);
+                w[h] = _mm512_and_si512(v, low);
+                w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        __m512 d, minimum;
+        if (from_k_quant(format)) {
+            d = _mm512_loadu_ps(block + quants);
+            minimum = _mm512_loadu_ps(block + quants + 64);
+        } else {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants)));
+            minimum = format == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants + 32)))
+                                         : _mm512_mul_ps(d, offset);
+        }
+        for (int j = 0; j < mr; j++) {
+            const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+            __m512i sums = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                int32_t four;
+                memcpy(&four, xq + 4 * g, 4);
+                sums = _mm512_dpbusd_epi32(sums, w[g], _mm512_set1_epi32(four));
+            }
+            long at = (long)(m0 + j) * blocks + b;
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(dx[at])), d, acc[j]);
+            acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
+        }
+    }
+    __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
+                      : _mm512_setzero_ps();
+    for (int j = 0; j < mr; j++) {  /* fp32, or to bf16, nearest even, as to_bf16 */
+        __m512 v = _mm512_add_ps(acc[j], add);
+        if (f32) {
+            _mm512_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, v);
+            continue;
+        }
+        __m512i u = _mm512_castps_si512(v);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+/* The quantized inputs live in the call's scratch (SCRATCH_LINEAR): no allocation per step. */
+int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+                 int K, long x_stride, long y_stride, int threads, int f32) {
+    const int blocks = K / 32;
+    const long tile_bytes = (long)blocks * tiled_block_bytes(format);
+    /* A few rows: every thread quantizes all of them into a copy of its own (the same bytes: one code path),
+     * which costs less than the barrier that sharing the work needs before any tile can start. */
+    const int own_copy = M <= OWN_COPY_ROWS;
+    const size_t copy = ((size_t)M * K + 2 * sizeof(float) * (size_t)M * blocks + 63) / 64 * 64;
+    const size_t need = copy * (own_copy ? threads : 1);
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, need);  /* with own_copy, a part for each worker */
+    if (!memory) return -2;
+    const int full = M / TILED_MR * TILED_MR;
+    #pragma omp parallel num_threads(threads)
+    {
+    float *dx = (float *)(memory + (own_copy ? copy * omp_get_thread_num() : 0));
+    float *sx = dx + (size_t)M * blocks;
+    int8_t *q = (int8_t *)(sx + (size_t)M * blocks);
+    if (own_copy) {
+        quantize_rows(x, f32, 0, M, K, x_stride, q, dx, sx);
+    } else {
+        int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
+        quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
+        #pragma omp barrier
+    }
+    #pragma omp for schedule(static) nowait
+    for (int t = 0; t < N / TILED_ROWS; t++) {
+        const uint8_t *tile = w + t * tile_bytes;
+        const int n0 = t * TILED_ROWS;
+#define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T4_K(mr, m0) tiled_tile(tile, FMT_Q4_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T5_K(mr, m0) tiled_tile(tile, FMT_Q5_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T6_K(mr, m0) tiled_tile(tile, FMT_Q6_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T_TILES(TILE) \
+    do { \
+        for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
+        switch (M - full) { \
+            case 1: TILE(1, full); break; case 2: TILE(2, full); break; case 3: TILE(3, full); break; \
+            case 4: TILE(4, full); break; case 5: TILE(5, full); break; default: break; \
+        } \
+    } while (0)
+        switch (format) {
+            case FMT_Q4_0: T_TILES(T4_0); break;
+            case FMT_Q4_1: T_TILES(T4_1); break;
+            case FMT_Q4_K_32: T_TILES(T4_K); break;
+            case FMT_Q5_K_32: T_TILES(T5_K); break;
+            case FMT_Q6_K_32: T_TILES(T6_K); break;
+            default: T_TILES(T8_0); break;
+        }
+    }
+    }
+    return 0;
+}
+
+/* GGUF blocks (or a K-quant's blocks of 32) into tiles (see above). */
+int pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
+    if (N % TILED_ROWS) return -1;
+    const int k = from_k_quant(format), bytes = k ? k_block_bytes(format) : block_bytes(format), blocks = K / 32;
+    /* the block's head: its scale (an fp32 one for Q4_K, Q5_K), then a minimum (or Q6_K's two int8 scales) */
+    const int scale = format == FMT_Q4_K_32 || format == FMT_Q5_K_32 ? 4 : 2;
+    const int head = k || format == FMT_Q4_1 ? 2 * scale : 2;
+    const int quants = byte_quants(format) ? 512 : 256, out_bytes = tiled_block_bytes(format);
+    for (int t = 0; t < N / TILED_ROWS; t++)
+        for (int b = 0; b < blocks; b++) {
+            uint8_t *out = dst + ((long)t * blocks + b) * out_bytes;
+            for (int r = 0; r < TILED_ROWS; r++) {
+                const uint8_t *block = src + ((long)(t * TILED_ROWS + r) * blocks + b) * bytes;
+                memcpy(out + quants + scale * r, block, scale);
+                if (head > scale) memcpy(out + quants + 16 * scale + scale * r, block + scale, scale);
+                for (int i = 0; i < bytes - head; i++)  /* quant byte i: vector i / 4, lane r, byte i % 4 */
+                    out[64 * (i / 4) + 4 * r + i % 4] = format == FMT_Q8_0 ? (uint8_t)(block[head + i] ^ 0x80)
+                                                                           : block[head + i];
+            }
+        }
+    return 0;
+}
+#else
+int tiled_path(int K) { (void)K; return 0; }
+#endif

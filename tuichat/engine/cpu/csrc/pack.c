@@ -1,0 +1,44 @@
+/* The weights' layout, done once at load: GGUF blocks into the order the quantized paths read them (the same
+ * bytes), and which layout a format and shape get on this build. The tiles' layout is arch/x86/linear_vnni512.c's;
+ * the pairs' (arch/x86/linear_int8.c) and the rows' (linear_quant.c) are laid out here. */
+#include "linear.h"
+
+/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
+const char *pack_layout(int format, int K) {
+    format = same_layout(format);
+    if (tiled_path(K)) return "tiles";
+    if (from_k_quant(format)) return "none";
+    return int8_path(format, K) ? "pairs" : "rows";
+}
+
+/* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes: per
+ * row the quants (pairs of blocks interleaved for the int8 path, GGUF's order otherwise), then the fp16 scales,
+ * then (Q4_1) the fp16 minimums. 0, or -1 for a format or shape it does not take. */
+int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
+    format = same_layout(format);
+    int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
+    if ((!bytes && !from_k_quant(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (tiled_path(K)) return pack_tiles(src, format, N, K, dst);
+#endif
+    if (from_k_quant(format)) return -1;  /* the tiled path's only */
+    int paired = int8_path(format, K);
+    for (long n = 0; n < N; n++) {
+        const uint8_t *row = src + n * blocks * bytes;
+        uint8_t *out = dst + n * blocks * bytes, *scales = out + (long)blocks * q_bytes;
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *block = row + (long)b * bytes;
+            memcpy(scales + 2 * b, block, 2);
+            if (format == FMT_Q4_1) memcpy(scales + 2 * blocks + 2 * b, block + 2, 2);
+            for (int t = 0; t < q_bytes; t++) {
+                uint8_t v = block[head + t];
+                if (!paired) { out[(long)b * q_bytes + t] = v; continue; }
+                /* byte t of the block: Q4 holds weights t and t + 16; Q8_0 weight t (stored + 128) */
+                int side = b % 2, within = format == FMT_Q8_0 ? t % 16 : t, half = format == FMT_Q8_0 ? t / 16 : 0;
+                long at = (long)(b / 2) * 2 * q_bytes + half * 32 + 8 * (within / 4) + 4 * side + within % 4;
+                out[at] = format == FMT_Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+            }
+        }
+    }
+    return 0;
+}
