@@ -60,7 +60,7 @@ def test_the_map_finds_the_layers():
     """The rules below see the modules they are about (a rename must not leave them checking nothing)."""
     for module in ("tuichat.engine.engine", "tuichat.engine.types", "tuichat.ui.app", "tuichat.ui.chat",
                    "tuichat.backends.protocol", "tuichat.backends.local", "tuichat.store", "tuichat.cli",
-                   "tuichat.engine.cpu.build", "tuichat.engine.cpu.native"):
+                   "tuichat.engine.prepare", "tuichat.engine.cpu.build", "tuichat.engine.cpu.native"):
         assert module in MODULES, module
     assert "tuichat.engine.engine" in MODULES["tuichat.backends.local"]
 

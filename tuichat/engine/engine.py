@@ -18,13 +18,12 @@ from typing import get_args
 import torch
 
 from tuichat.engine import attention, families, quant, speculate
-from tuichat.engine.cpu import build, native
-from tuichat.engine.fusion import speed_up_linears
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.families import ModelShape
 from tuichat.engine.kv_cache import BlockManager, KVCache
+from tuichat.engine.prepare import prepare
 from tuichat.engine.request import RequestOutput, Sequence, Status
-from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
+from tuichat.engine.runner import RunnerBroken
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
 from tuichat.engine.types import TuichatError, PromptTooLong, SamplingParams, ServingOptions, SpeculateMode
@@ -42,21 +41,6 @@ class EngineConfig(ServingOptions):
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
     quant_cache: Path | None = None  # the file caching a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
     quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
-
-
-def _drop_bf16_copies(model, packed_head: bool, fp32_embedding: bool) -> None:
-    """With the decoder layers served from packed weights, their bf16 copies are dead weight: free them. The
-    layers' modules stay, weightless; every step of such a model runs through decoder.c. So does the lm_head's
-    copy when it is packed too, unless it is (tied) the embedding and the decoder reads that in bf16."""
-    modules = [m for layer in model.model.layers for m in
-               (layer.self_attn.fused_q_k_v, layer.self_attn.o_proj, layer.mlp.fused_gate_up, layer.mlp.down_proj)]
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    if packed_head and (not tied or fp32_embedding):
-        modules.append(model.lm_head)
-    if fp32_embedding:
-        modules.append(model.model.embed_tokens)
-    for module in modules:
-        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -117,7 +101,12 @@ class Engine:
         # offloads some to the CPU or disk and computes them on its execution device.
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
                           self.attention.devices)
-        self.runner = self._choose_forward(model, source, what, shape, num_blocks)
+        prepared = prepare(model, source, config, self.kv, self.blocks, self.attention, what)
+        self.runner = prepared.runner
+        # The labels the stats panel and the bench show (prepare.Prepared says what each holds).
+        self.matmul, self.layers = prepared.matmul, prepared.layers
+        self.weights, self.weight_bytes = prepared.weights, prepared.weight_bytes
+        self._draw_kernels = prepared.kernels  # sampled rows drawn in C (sampler.c) where the kernels are built
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._sequences: dict[int, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submissions and cancels from other threads
@@ -151,127 +140,6 @@ class Engine:
                 f"{shape.head_dim}."
             )
         return found
-
-    def _choose_forward(self, model, source, what: str, shape: ModelShape, num_blocks: int):
-        """The one choice of what runs a step, made once and checked before the engine serves: tensor-parallel
-        ranks, or decoder.c over packed (a GGUF's, --quant's) or bf16 weights, or transformers' modules (with
-        our linears where they win). Sets the labels the stats panel and the bench show (matmul, layers,
-        weights); returns the runner."""
-        config = self.config
-        self.matmul = "torch"
-        self.layers = "transformers"
-        self.weights = str(self.dtype).removeprefix("torch.")  # how the linear weights are stored
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        runner = None
-        if config.tp > 1:
-            from tuichat.engine import parallel
-
-            parallel.check_shardable(model.config, config.tp)  # before spawning anything
-            workers, plan_group, pipes = parallel.start_workers(dict(
-                resolved=source, device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
-                world=config.tp, num_blocks=num_blocks, block_size=config.block_size, kv_heads=shape.kv_heads,
-                head_dim=shape.head_dim, num_layers=shape.layers,
-            ))
-            parallel.shard_model(model, 0, config.tp)
-            runner = parallel.TensorParallelRunner(model, self.kv, config.block_size, self.device, workers, plan_group, pipes)
-        kernel = None
-        if config.fast_linears and self.device.type == "cpu" and self.dtype is torch.bfloat16:
-            kernel, self.matmul = build.load()
-        self._draw_kernels = kernel  # sampled rows drawn in C (sampler.c) where the kernels are built
-        packed, exact, unpacked = self._packed_weights(model, kernel, source)  # before fusion: by the model's own names
-        decoder = None
-        if config.fast_linears:  # after sharding: the fused weights are the rank's slices
-            # transformers' layers take our linear only where it beat torch's at every row count measured:
-            # AMX (without it, ours lost to oneDNN on 512-row prefills: scripts/matmul_bench.py --rows 512).
-            speed_up_linears(model, kernel if kernel is not None and kernel.isa == "amx" else None)
-            if kernel is not None and runner is None:
-                why_not = native.unsupported_reason(model, kernel, self.attention)
-                if why_not is None:
-                    try:
-                        decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel)
-                        self._label(decoder)
-                    except ValueError as exc:
-                        why_not = str(exc)
-                if why_not is not None:
-                    self.layers = f"transformers ({why_not})"
-        runner = runner or ModelRunner(model, self.kv, config.block_size, self.device, decoder)
-        try:
-            # With the model's own weights: what it checks is the model's structure. Packed weights are the
-            # kernels' business (tested apart), and their int8 inputs move the logits by more than rounding.
-            self._check_serving_path(runner, what)
-        except BaseException:
-            if hasattr(runner, "close"):
-                runner.close()  # tensor-parallel workers must not outlive a refused model
-            raise
-        if packed and decoder is not None:
-            # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
-            self.kv.k, self.kv.v = ([t.view(torch.float16) for t in kv] for kv in (self.kv.k, self.kv.v))
-            decoder = native.NativeDecoder(model, self.kv, config.block_size, kernel, packed, exact)
-            self._label(decoder)
-            _drop_bf16_copies(model, "lm_head" in packed, decoder.embedding is not None)
-            runner = ModelRunner(model, self.kv, config.block_size, self.device, decoder)
-        elif config.quant in quant.QUANT_FORMATS:  # asked for, not served: say why, never silently
-            why = unpacked or self.layers.partition(" (")[2].removesuffix(")") or "no linear of this model fits them"
-            self.weights += f" ({config.quant} needs the C layers: {why})"
-        return runner
-
-    def _label(self, decoder: native.NativeDecoder) -> None:
-        self.layers = "C"
-        self.weights = decoder.formats
-        self.weight_bytes = decoder.weight_bytes
-
-    def _packed_weights(self, model, kernel, source) -> tuple[dict, dict, str | None]:
-        """(the linears --quant serves in blocks where the C layers will run them, {} for none; the checkpoint's
-        fp32 embedding and norms to run beside them (quant.exact_tensors); why none, where it can be told before
-        the linears are fused): a GGUF's own blocks, or a dense model's int8/int4."""
-        mode, gguf = self.config.quant, getattr(source, "kind", None) == "gguf"
-        if mode == "none" or (mode == "auto" and not gguf):
-            return {}, {}, None
-        if (why := self._why_no_c_layers(model, kernel)) is not None:
-            return {}, {}, why
-        converted = getattr(source, "converted_dir", None) if gguf else None
-        converted = converted if converted is not None and converted.is_dir() else None
-        cache = self.config.quant_cache or (converted / quant.cache_name(mode) if converted is not None else None)
-        checkpoint = self.config.quant_source or converted
-        packed = quant.packed_weights(model, kernel, mode, source.source if gguf else None, checkpoint, cache)
-        return packed, quant.exact_tensors(model, checkpoint) if packed else {}, None
-
-    def _why_no_c_layers(self, model, kernel) -> str | None:
-        """Why decoder.c will not run this model, as far as it shows before the linears are fused (None: it may)."""
-        if self.device.type != "cpu":
-            return f"they run on a CPU, not {self.device.type}"
-        if self.dtype is not torch.bfloat16:
-            return f"they run in bfloat16, not {self.weights}"
-        if not self.config.fast_linears:
-            return "fast linears are off"
-        if kernel is None:
-            return f"no CPU kernels: {self.matmul}"
-        if self.config.tp != 1:
-            return f"not with tensor parallelism (tp {self.config.tp})"
-        if getattr(model, "hf_device_map", None):
-            return "not with a device map"
-        return native.family_reason(model.config)
-
-    def _check_serving_path(self, runner, what: str) -> None:
-        """The probe's tokens once more, through the path that will serve them: a prefill chunk, a chunk that
-        reads it back from the cache, a decode. The last logits must be the probe's plain forward's. This is
-        where what attention cannot show surfaces: state kept outside the KV cache (a recurrent or state-space
-        layer beside attention) would make the pieces disagree with the whole."""
-        ids = self.attention.token_ids
-        table = list(range(self.blocks.blocks_for(len(ids))))
-        if len(table) > self.blocks.num_blocks:
-            return  # a pool this small is a test's; nothing is served from it anyway
-        cuts = [0, len(ids) - 3, len(ids) - 1, len(ids)]
-        for a, b in zip(cuts, cuts[1:]):
-            logits = runner.execute([StepChunk(ids[a:b], a, table, b == len(ids))])
-        want = self.attention.logits.to(logits.device)
-        error = float((logits[0] - want).abs().max() / want.abs().max().clamp_min(1e-6))
-        # Rounding alone: float32 differs in the last bits (~1e-6); bf16 steps by ~1 % of the range.
-        if error > (1e-4 if self.dtype is torch.float32 else 0.05):
-            raise TuichatError(
-                f"tuichat cannot run {what} faithfully: served in pieces through its KV cache, it does not reproduce "
-                f"its own plain forward (off by {error:.0%} of the logit range). It may keep state outside attention."
-            )
 
     # -- sizing -------------------------------------------------------------------------------------------
     def _default_num_blocks(self, num_layers: int, kv_heads: int, head_dim: int) -> int:

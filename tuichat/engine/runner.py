@@ -58,7 +58,7 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
-        self.native = native  # a native.NativeDecoder (Engine._choose_forward's): it runs the steps it accepts
+        self.native = native  # a native.NativeDecoder (prepare.prepare's): it runs the steps it accepts
 
     def _slots(self, block_table: list[int], start: int, stop: int) -> list[int]:
         bs = self.block_size
