@@ -4,7 +4,8 @@ writes is noise; the cost of a token, the memory and the load time are a real mo
 
     python scripts/real_shape_gguf.py --shape llama-1b --quant Q4_K_M --llama-cpp DIR [--out FOLDER]
 
-DIR is what ../shared/baselines/build_llama_cpp.sh DIR built (its llama.cpp sources and build/bin). The tokenizer
+DIR is what ../shared/baselines/build_llama_cpp.sh DIR built (its llama.cpp sources and build/bin); the converter
+also wants `sentencepiece` in this Python (`pip install sentencepiece`: a tool's need, not tuichat's). The tokenizer
 is the embedded model's (SmolLM2's, from its GGUF); the vocabulary keeps the real model's size (the converter
 pads it), so the embedding and the output layer cost what the real ones do.
 """
@@ -55,10 +56,10 @@ def checkpoint(shape: str, folder: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     fields = dict(SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16")
+                                  eos_token_id=tokenizer.eos_token_id, dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -74,6 +75,10 @@ def main() -> None:
     quantize = args.llama_cpp / "build" / "bin" / "llama-quantize"
     if sources is None or not quantize.exists():
         sys.exit(f"{args.llama_cpp}: no llama.cpp build there (run ../shared/baselines/build_llama_cpp.sh DIR)")
+    try:
+        import sentencepiece  # noqa: F401  (the converter imports it for llama-family vocabularies)
+    except ImportError:
+        sys.exit("llama.cpp's converter needs sentencepiece: pip install sentencepiece")
     args.out.mkdir(parents=True, exist_ok=True)
     final = args.out / f"{args.shape}-{args.quant}.gguf"
     with tempfile.TemporaryDirectory(dir=args.out) as work:

@@ -71,6 +71,12 @@ static inline int block_bytes(int format) {
     }
 }
 
+/* -- K-quants in the file's own layout (linear_kquant.c): ggml's super-blocks of 256, row after row ------------ */
+enum { FMT_Q4_K = 12, FMT_Q6_K = 14 };  /* ggml's type numbers */
+int kquant_format(int format);
+int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
+                  int N, int K, long x_stride, long y_stride, int threads, int f32);
+
 /* -- the quantized paths, by instruction set: each says whether it takes a shape (0 where the build lacks it) -- */
 /* linear_quant.c: any format and shape, in fp32; the dispatch over the paths below. */
 int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,

@@ -121,9 +121,11 @@ static int dequantized_linear(const void *x, const uint8_t *w, int format, const
     free(xf);
     return 0;
 }
-/* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks; x and y bf16, or fp32 with f32. */
+/* y = x . w (+ bias) for weights in a GGUF quantization laid out by pack_blocks, or K-quants as the file holds
+ * them; x and y bf16, or fp32 with f32. */
 int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                      int K, long x_stride, long y_stride, int threads, int f32) {
+    if (kquant_format(format)) return kquant_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
     format = same_layout(format);
     if (M < 1 || M > 512 || K % 32 || N % 16 || K / 32 > MAX_BLOCKS) return -1;
     if (!block_bytes(format) && !(from_k_quant(format) && tiled_path(K))) return -1;
@@ -137,8 +139,14 @@ int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, co
 }
 
 /* How quantized_linear computes `format` with K inputs: "int8 VNNI", "int8 AVX-VNNI", "int8 maddubs" (inputs
- * quantized per block, as llama.cpp does), or "fp32" (weights dequantized in registers, inputs as they are). */
+ * quantized per block, as llama.cpp does), "int8 AVX-512" or "int8" (K-quants in place, inputs per 256), or "fp32"
+ * (weights dequantized in registers, inputs as they are). */
 const char *quant_math(int format, int K) {
+#if defined(__AVX512BW__)
+    if (kquant_format(format)) return "int8 AVX-512";
+#else
+    if (kquant_format(format)) return "int8";
+#endif
     if (tiled_path(K)) return "int8 VNNI";
     if (!int8_path(format, K)) return "fp32";
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

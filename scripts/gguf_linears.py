@@ -1,0 +1,64 @@
+"""A decode step's matmuls over a real GGUF file, in place: every linear weight the kernels read in the file's own
+layout (Q4_K, Q6_K), straight from the mapped file, times `rows` inputs, as a step of that many rows does.
+
+    .venv/bin/python scripts/gguf_linears.py FILE.gguf [--rows 1,8,64] [--repeats 5]
+
+Prints, per number of rows, the pass's time and the weight read rate by format (the output layer included: a
+decode step reads it whole). Numbers vary with what else the machine runs: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections import defaultdict
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from tuichat.engine.cpu import build
+from tuichat.engine.quant import PackedWeight
+
+IN_PLACE = {12: "Q4_K", 14: "Q6_K"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gguf")
+    parser.add_argument("--rows", default="1,8,64")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    kernels, why = build.load()
+    if kernels is None:
+        raise SystemExit(f"no CPU kernels: {why}")
+    print(f"kernels: {why}; {torch.get_num_threads()} threads")
+    weights = []
+    with warnings.catch_warnings():  # the mapping is read-only, and the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        for tensor in GGUFReader(args.gguf).tensors:
+            fmt = int(tensor.tensor_type)
+            if fmt in IN_PLACE and len(tensor.shape) == 2:
+                k, n = (int(v) for v in tensor.shape)
+                weights.append(PackedWeight(torch.from_numpy(np.asarray(tensor.data)), fmt, n, k))
+    print(f"{len(weights)} linears in place, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
+        seconds: dict[int, float] = defaultdict(lambda: float("inf"))
+        for _ in range(args.repeats):
+            this = defaultdict(float)
+            for w in weights:
+                start = time.perf_counter()
+                kernels.linear(inputs[w.in_features], w, None)
+                this[w.format] += time.perf_counter() - start
+            for fmt, spent in this.items():
+                seconds[fmt] = min(seconds[fmt], spent)
+        total = sum(seconds.values())
+        parts = ", ".join(f"{IN_PLACE[fmt]} {sum(w.bytes for w in weights if w.format == fmt) / s / 1e9:.1f} GB/s"
+                          for fmt, s in sorted(seconds.items()))
+        print(f"rows {rows:3d}: {total * 1e3:8.1f} ms a pass ({parts})")
+
+
+if __name__ == "__main__":
+    main()

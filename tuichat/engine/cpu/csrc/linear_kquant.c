@@ -1,0 +1,280 @@
+/* Q4_K and Q6_K weights read where the GGUF file keeps them: ggml's super-blocks of 256 weights, row after row,
+ * byte for byte the file's (no re-cut, no copy: the engine hands in a pointer into the mapped file).
+ *
+ * Q4_K (144 bytes): fp16 d and dmin, 12 bytes of eight 6-bit scales and eight 6-bit minimums, then 128 bytes of
+ * nibbles: byte i of each 32-byte chunk c holds weight 64c + i (low nibble) and 64c + 32 + i (high). A weight
+ * is d * sc[s] * q - dmin * m[s], s its sub-block of 32.
+ * Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales (one per 16
+ * weights), fp16 d. A weight is d * sc[g] * (q - 32).
+ *
+ * The inputs are quantized once per call to int8 per 256 (one scale each, with the sums of every 16 and 32 for
+ * the -32's and the minimums' terms), in the order the weights' vectors come out of their bytes, so that every
+ * weight vector meets its inputs with one load. All integer sums are exact; each output is then scaled and
+ * summed in fp32 in a fixed order, the same for a row whatever its batch. A tile is 4 weight rows, each read
+ * whole before the next (one stream per thread), against up to 4 input rows. */
+#include <math.h>
+
+#include "linear.h"
+
+#define QK 256
+#define Q4_K_BYTES 144
+#define Q6_K_BYTES 210
+#define KQ_NR 4 /* weight rows per tile */
+#define KQ_MR 4 /* input rows per pass over a tile: NR x MR accumulators = the 16 sums store_tile takes */
+
+/* One input row's 256 values: its scale, the sums of its quants in the weights' natural order, then
+ * the quants (for Q4_K in the order of its nibble vectors: sub-blocks 0 2 1 3 4 6 5 7). */
+typedef struct {
+    float d;
+    int16_t sums[16];  /* of each 16 (Q6_K's groups) */
+    int16_t halves[8]; /* of each 32 (Q4_K's sub-blocks) */
+    int8_t q[QK];
+} q8_block;
+
+int kquant_format(int format) { return format == FMT_Q4_K || format == FMT_Q6_K; }
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+/* Q4_K's eight scales and eight minimums from their 12 bytes (ggml's get_scale_min_k4, four at a time). */
+static inline void q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    const uint32_t lo[2] = {u0 & 0x3f3f3f3f, (u2 & 0x0f0f0f0f) | ((u0 >> 2) & 0x30303030)};
+    const uint32_t mins[2] = {u1 & 0x3f3f3f3f, ((u2 >> 4) & 0x0f0f0f0f) | ((u1 >> 2) & 0x30303030)};
+    memcpy(sc, lo, 8);
+    memcpy(m, mins, 8);
+}
+
+/* Row m of x into K / 256 blocks. The order of the quants is Q4_K's when q4. */
+static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_block *out) {
+    float v[QK];
+    for (int b = 0; b < K / QK; b++) {
+        for (int i = 0; i < QK; i += LANES)
+            store_f32(v + i, f32 ? load_f32((const float *)x + offset + b * QK + i)
+                                 : load_bf16((const uint16_t *)x + offset + b * QK + i));
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        q8_block *o = out + b;
+        o->d = d;
+        int8_t q[QK];
+        for (int i = 0; i < QK; i++) q[i] = (int8_t)lrintf(v[i] * id);
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[16 * g + i];
+            o->sums[g] = (int16_t)sum;
+        }
+        for (int h = 0; h < 8; h++) o->halves[h] = (int16_t)(o->sums[2 * h] + o->sums[2 * h + 1]);
+        if (!q4) {
+            memcpy(o->q, q, QK);
+            continue;
+        }
+        static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+        for (int s = 0; s < 8; s++) memcpy(o->q + 32 * s, q + 32 * order[s], 32);
+    }
+}
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+/* A decode streams each thread's rows from DRAM one after another: asking for the bytes this far ahead keeps
+ * enough loads in flight (docs/design/kernels.md: the distance was chosen by measuring). */
+#define KQ_AHEAD 4096
+
+/* Index vectors for vpermw: each of a vector's four groups of 8 int16 lanes (the pair sums of 16 weights)
+ * takes the scale of those 16 weights. */
+static inline __m512i lanes_of(int a, int b, int c, int d) {
+    return _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c, b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+}
+
+/* A super-block's 256 unsigned weights (4 vectors) times its 256 int8 inputs, each pair sum times its scale
+ * (sv: int16, lanes as the weights'): 16 int32 lanes whose sum is the block's scaled dot product. */
+static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], const int8_t *q) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++)
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(wv[j], _mm512_loadu_si512(q + 64 * j)), sv[j]));
+    return sum;
+}
+
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, vf *acc) {
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i idx[4] = {lanes_of(0, 0, 2, 2), lanes_of(1, 1, 3, 3), lanes_of(4, 4, 6, 6), lanes_of(5, 5, 7, 7)};
+    for (int r = 0; r < KQ_NR; r++)
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + (long)b * Q4_K_BYTES;
+            _mm_prefetch((const char *)blk + KQ_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + KQ_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + KQ_AHEAD + 128, _MM_HINT_T0);
+            uint16_t h[2];
+            memcpy(h, blk, 4);
+            const float d = half_to_float(h[0]), dmin = half_to_float(h[1]);
+            uint8_t sc[8], mn[8];
+            q4_k_scales(blk + 4, sc, mn);
+            uint64_t sc64, mn64;
+            memcpy(&sc64, sc, 8);
+            memcpy(&mn64, mn, 8);
+            const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+            const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+            const __m512i wv[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
+                                   _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+            __m512i sv[4];
+            for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+            for (int m = 0; m < mr; m++) {
+                const q8_block *a = xq + (long)m * blocks + b;
+                __m512i sum = scaled_dots(wv, sv, a->q);
+                /* the minimums' term: m[s] times the sum of sub-block s's inputs (two sums of 16 each) */
+                const __m512i msum = _mm512_zextsi128_si512(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves)));
+                vf *out = acc + m * KQ_NR + r;
+                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a->d), (__m512)*out);
+                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_set1_ps(-dmin * a->d), (__m512)*out);
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, vf *acc) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
+    for (int r = 0; r < KQ_NR; r++)
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + (long)b * Q6_K_BYTES;
+            for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, _MM_HINT_T0);
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const float d = half_to_float(dh);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i scales = _mm512_castsi256_si512(sc16);
+            __m512i wv[4], sv[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4));
+                wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
+                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4));
+            }
+            for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+            for (int m = 0; m < mr; m++) {
+                const q8_block *a = xq + (long)m * blocks + b;
+                __m512i sum = scaled_dots(wv, sv, a->q);
+                /* q - 32: 32 times each group's scale times its inputs' sum */
+                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
+                sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+                vf *out = acc + m * KQ_NR + r;
+                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a->d), (__m512)*out);
+            }
+        }
+}
+#define KQ_VECTOR 1
+#else
+/* Without 512-bit integer vectors: the same exact integer sums, lane 0 of each accumulator. */
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, vf *acc) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int b = 0; b < blocks; b++)
+        for (int r = 0; r < KQ_NR; r++) {
+            const uint8_t *blk = w + r * row_bytes + (long)b * Q4_K_BYTES;
+            uint16_t h[2];
+            memcpy(h, blk, 4);
+            const float d = half_to_float(h[0]), dmin = half_to_float(h[1]);
+            uint8_t sc[8], mn[8];
+            q4_k_scales(blk + 4, sc, mn);
+            for (int m = 0; m < mr; m++) {
+                const q8_block *a = xq + (long)m * blocks + b;
+                int sum = 0, msum = 0;
+                for (int p = 0; p < 8; p++) { /* p: position in the inputs' order; s: the sub-block */
+                    const int s = order[p], chunk = s / 2, shift = 4 * (s % 2);
+                    int dot = 0;
+                    for (int i = 0; i < 32; i++) dot += ((blk[16 + 32 * chunk + i] >> shift) & 15) * a->q[32 * p + i];
+                    sum += sc[s] * dot;
+                    msum += mn[s] * a->halves[s];
+                }
+                acc[m * KQ_NR + r][0] += (float)sum * (d * a->d) + (float)msum * (-dmin * a->d);
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, vf *acc) {
+    for (int b = 0; b < blocks; b++)
+        for (int r = 0; r < KQ_NR; r++) {
+            const uint8_t *blk = w + r * row_bytes + (long)b * Q6_K_BYTES;
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const float d = half_to_float(dh);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int m = 0; m < mr; m++) {
+                const q8_block *a = xq + (long)m * blocks + b;
+                int sum = 0;
+                for (int g = 0; g < 16; g++) { /* weights 16g..16g+15: half h, group t of 32 in it */
+                    const int h = g / 8, t = (g % 8) / 2, lo = 16 * (g % 2);
+                    int dot = 0;
+                    for (int i = lo; i < lo + 16; i++) {
+                        const int low = (blk[64 * h + 32 * (t % 2) + i] >> (4 * (t / 2))) & 15;
+                        const int high = (blk[128 + 32 * h + i] >> (2 * t)) & 3;
+                        dot += (low | high << 4) * a->q[16 * g + i - lo];
+                    }
+                    sum += sc[g] * (dot - 32 * a->sums[g]);
+                }
+                acc[m * KQ_NR + r][0] += (float)sum * (d * a->d);
+            }
+        }
+}
+#define KQ_VECTOR 0
+#endif
+
+static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, const int format, long row_bytes,
+                                                              int blocks, const q8_block *xq, const uint16_t *bias,
+                                                              void *y, long y_stride, int n0, int m0, const int mr,
+                                                              int f32) {
+    vf acc[KQ_NR * KQ_MR] = {};
+    if (format == FMT_Q4_K) q4_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
+    else q6_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
+#if KQ_VECTOR && LANES == KQ_NR * KQ_MR
+    store_tile(acc, bias, y, y_stride, n0, m0, mr, f32);
+#else
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < KQ_NR; r++) {
+            float v = KQ_VECTOR ? hsum(acc[m * KQ_NR + r]) : acc[m * KQ_NR + r][0];
+            if (bias) v += bf16_to_float(bias[n0 + r]);
+            if (f32) ((float *)y)[(long)(m0 + m) * y_stride + n0 + r] = v;
+            else ((uint16_t *)y)[(long)(m0 + m) * y_stride + n0 + r] = to_bf16(splat(v))[0];
+        }
+#endif
+}
+
+int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
+                  int N, int K, long x_stride, long y_stride, int threads, int f32) {
+    if (M < 1 || M > 512 || K % QK || N % KQ_NR || !kquant_format(format)) return -1;
+    const int blocks = K / QK, q4 = format == FMT_Q4_K;
+    const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+    q8_block *xq = scratch_reserve(s, SCRATCH_LINEAR, sizeof(q8_block) * (size_t)M * blocks);
+    if (!xq) return -2;
+    const int full = M / KQ_MR * KQ_MR;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) quantize_row(x, f32, (long)m * x_stride, K, q4, xq + (long)m * blocks);
+        #pragma omp for schedule(static) nowait
+        for (int t = 0; t < N / KQ_NR; t++) {
+            const int n0 = t * KQ_NR;
+#define KQ_TILE(mr, m0) kquant_tile(w, format, row_bytes, blocks, xq, bias, y, y_stride, n0, m0, mr, f32)
+            for (int m0 = 0; m0 < full; m0 += KQ_MR) KQ_TILE(KQ_MR, m0);
+            switch (M - full) {
+                case 1: KQ_TILE(1, full); break;
+                case 2: KQ_TILE(2, full); break;
+                case 3: KQ_TILE(3, full); break;
+                default: break;
+            }
+#undef KQ_TILE
+        }
+    }
+    return 0;
+}
