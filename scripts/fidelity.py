@@ -131,8 +131,7 @@ def main() -> None:
     import torch
 
     from tuichat import catalog
-    from tuichat.engine import loader
-    from tuichat.engine import quant
+    from tuichat.engine import loader, quant
     from tuichat.engine.cpu import build
     from tuichat.engine.engine import Engine, EngineConfig
 

@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import openai
 
+from tuichat.backends.local import LocalBackend
 from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
 from tuichat.bench.corpus import QUESTIONS, WARMUP_QUESTION
 from tuichat.bench.peers.serve import ServePeer
 from tuichat.bench.peers.tuichat import run_tabs
 from tuichat.bench.stats import percentile
-from tuichat.backends.local import LocalBackend
 
 TOKENS, STAGGER = 64, 0.1
 

@@ -33,10 +33,9 @@ PROMPT = "Write a long story about a cat who learns to fly."
 def measure(way: str, model: str, dtype: str, quant: str, steps: int, sampled: bool) -> dict:
     import asyncio
 
-    from tuichat.backends.protocol import CHAT_SAMPLING, EngineOptions, Message, SamplingParams
-    from tuichat.backends.local import LocalBackend
-
     from tuichat import catalog
+    from tuichat.backends.local import LocalBackend
+    from tuichat.backends.protocol import CHAT_SAMPLING, EngineOptions, Message, SamplingParams
     from tuichat.engine import loader
     from tuichat.engine.engine import Engine, EngineConfig
 

@@ -5,11 +5,11 @@ anywhere."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from collections.abc import AsyncIterator, Sequence
 
-from tuichat.backends.protocol import TuichatError, Message, SamplingParams, StreamEvent, Usage
+from tuichat.backends.protocol import Message, SamplingParams, StreamEvent, TuichatError, Usage
 from tuichat.ui.demo import DemoBackend
 
 

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 

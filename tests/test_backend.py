@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from tuichat.backends.protocol import TuichatError, EngineOptions, Message, SamplingParams, chat_sampling
 from tuichat.backends.local import LocalBackend
+from tuichat.backends.protocol import EngineOptions, Message, SamplingParams, TuichatError, chat_sampling
 from tuichat.ui.measure import until
 
 LONG = SamplingParams(max_tokens=40)

@@ -20,11 +20,11 @@ from click.testing import CliRunner
 
 from tests.helpers import RUNS_ON
 from tuichat import bench
-from tuichat.backends.protocol import CHAT_SAMPLING, TuichatError, Message
+from tuichat.backends.local import chat_ids
+from tuichat.backends.protocol import CHAT_SAMPLING, Message, TuichatError
 from tuichat.bench.floor import BandwidthProbe
 from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
-from tuichat.backends.local import chat_ids
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
             probes=1, stagger_ms=200, bandwidth_mb=16, spec_tokens=24)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tuichat.backends.protocol import TuichatError, EngineOptions, SamplingParams
+from tuichat.backends.protocol import EngineOptions, SamplingParams, TuichatError
 from tuichat.config import DEFAULT_CONFIG_TOML, Config, config_path, load_config
 
 

@@ -14,16 +14,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from fake_backend import FakeBackend
 
 from tests.helpers import mode
-from fake_backend import FakeBackend
 from tuichat import locks as locks_module
 from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.screens import SearchScreen
 from tuichat.ui.measure import until
+from tuichat.ui.screens import SearchScreen
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = (110, 36)

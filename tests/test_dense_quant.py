@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import (PROMPTS, cache_contents, float32_continuations, greedy, replies_independent_of_batching,
-                      teacher_forced_error)
-from tuichat.backends.protocol import TuichatError, EngineOptions
+from tests.helpers import (
+    PROMPTS,
+    cache_contents,
+    float32_continuations,
+    greedy,
+    replies_independent_of_batching,
+    teacher_forced_error,
+)
+from tuichat.backends.protocol import EngineOptions, TuichatError
 from tuichat.engine import quant
 from tuichat.engine.engine import Engine, EngineConfig
 

@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from tests.helpers import hf_greedy, step_until, template_ids
+from tuichat.backends.local import LocalBackend, chat_ids
 from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
+from tuichat.bench.backend import BenchBackend
 from tuichat.cli import main
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher, _backend_decode
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.backends.local import LocalBackend, chat_ids
-from tuichat.bench.backend import BenchBackend
 
 QUESTION = [Message("user", "Name three primary colors.")]
 

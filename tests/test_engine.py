@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tests.helpers import finished, hf_greedy, make_tiny, step_until, stepping
-from tuichat.backends.protocol import TuichatError, SamplingParams
+from tuichat.backends.protocol import SamplingParams, TuichatError
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status
 

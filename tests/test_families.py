@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import finished, hf_greedy, step_until, stepping
-from tuichat.backends.protocol import TuichatError, SamplingParams
+from tuichat.backends.protocol import SamplingParams, TuichatError
 from tuichat.engine import families
 from tuichat.engine.engine import Engine, EngineConfig
 

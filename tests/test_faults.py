@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import hf_greedy, make_tiny, step_until
-from tuichat.backends.protocol import TuichatError, EngineOptions, Message, SamplingParams
+from tuichat.backends.protocol import EngineOptions, Message, SamplingParams, TuichatError
 from tuichat.engine import engine as engine_module
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.scheduler import MAX_OVERTAKES

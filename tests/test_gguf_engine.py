@@ -14,12 +14,42 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import (LONG_PROMPTS, PROMPTS, cache_contents, echoing_prompts, float32_continuations, greedy,
-                      replies_independent_of_batching, teacher_forced_error)
+from tests.helpers import (
+    LONG_PROMPTS,
+    PROMPTS,
+    cache_contents,
+    echoing_prompts,
+    float32_continuations,
+    greedy,
+    replies_independent_of_batching,
+    teacher_forced_error,
+)
 from tests.tiny_gguf import (
-    FORMATS, FORMATS_K, HEADS, HF_NAMES, HIDDEN, HIDDEN_K, INTER, INTER_K, KV_HEADS, LAYERS, OUTPUT_FORMAT,
-    OUTPUT_FORMAT_K, Q4_0, Q4_1,
-    Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, VOCAB, k_quant_blocks, shapes, write_gguf)
+    FORMATS,
+    FORMATS_K,
+    HEADS,
+    HF_NAMES,
+    HIDDEN,
+    HIDDEN_K,
+    INTER,
+    INTER_K,
+    KV_HEADS,
+    LAYERS,
+    OUTPUT_FORMAT,
+    OUTPUT_FORMAT_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    VOCAB,
+    k_quant_blocks,
+    shapes,
+    write_gguf,
+)
 from tuichat.engine import quant
 from tuichat.engine.cpu import native
 from tuichat.engine.engine import Engine, EngineConfig

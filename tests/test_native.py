@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 
-
 from tests.helpers import echoing_prompts, finished, step_until, stepping
 from tuichat.backends.protocol import SamplingParams
 from tuichat.engine.cpu import native

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy, make_tiny, wait_until
-from tuichat.backends.protocol import TuichatError, SamplingParams
+from tuichat.backends.protocol import SamplingParams, TuichatError
 from tuichat.catalog import resolve
 from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.runner import StepChunk
@@ -199,6 +199,7 @@ def test_after_a_worker_dies_mid_reply_the_backend_restarts_the_workers(tmp_path
 
     from test_prompts import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from tuichat.backends.protocol import EngineOptions, Message
     from tuichat.bench.backend import BenchBackend
 

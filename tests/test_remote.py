@@ -20,17 +20,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import Static
 
 from tests.helpers import RUNS_ON, SERVE_KEY, free_port, hf_greedy, loopback_server, server_process, template_ids
-from tuichat.backends.protocol import Message, SamplingParams
-from tuichat.backends.router import Router
-from tuichat.config import Config, load_config
 from tuichat.backends.endpoints import Endpoint
 from tuichat.backends.local import LocalBackend
+from tuichat.backends.protocol import Message, SamplingParams
 from tuichat.backends.remote import RemoteBackend
+from tuichat.backends.router import Router
+from tuichat.config import Config, load_config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
+from tuichat.ui.measure import until
 from tuichat.ui.screens import ModelPicker
 from tuichat.ui.widgets import EnginePanel
-from tuichat.ui.measure import until
 
 KEY_ENV = "TUICHAT_TEST_REMOTE_KEY"
 SIZE = (110, 36)

@@ -22,6 +22,7 @@ from tests.helpers import free_port, hf_greedy, server_process, template_ids, wa
 from tuichat import catalog
 from tuichat.backends.protocol import Message, SamplingParams
 
+
 def client(base: str, key: str = KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
 

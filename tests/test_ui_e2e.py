@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from tuichat.backends.local import LocalBackend
 from tuichat.backends.protocol import EngineOptions
 from tuichat.config import Config
-from tuichat.backends.local import LocalBackend
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
 from tuichat.ui.measure import until

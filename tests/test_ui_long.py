@@ -17,11 +17,12 @@ from tests.fake_backend import FakeBackend
 from tuichat.config import Config
 from tuichat.store import Store
 from tuichat.ui.app import TuichatApp
-from tuichat.ui.message_log import PAGE, WINDOW, EarlierMessages
-from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.demo import fill_history
 from tuichat.ui.measure import SIZE, until
+from tuichat.ui.message_log import PAGE, WINDOW, EarlierMessages
+from tuichat.ui.messages import AssistantMessage, UserMessage
 from tuichat.ui.pacing import PaintPacer
+
 
 @pytest.fixture(autouse=True)
 def tuichat_dirs(tmp_path, monkeypatch):

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from tests.test_ui import make_app, send
 from tests.fake_backend import FakeBackend
+from tests.test_ui import make_app, send
+from tuichat.ui.measure import until
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.widgets import TtftMeter
-from tuichat.ui.measure import until
 
 TOKEN_S = 0.01  # tokens arrive this often: a paint is due at the first token after its pause
 

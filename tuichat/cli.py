@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import click
 
-from tuichat.backends.protocol import TuichatError, EngineOptions, Message, RemoteStats, chat_sampling
+from tuichat.backends.protocol import EngineOptions, Message, RemoteStats, TuichatError, chat_sampling
 
 
 def engine_options(func):
@@ -50,8 +50,8 @@ def remote_options(func):
 def _backend(ctx: click.Context, config, options: EngineOptions, model: str | None, base_url: str | None,
              api_key_env: str | None):
     """(the Router over the local engine and the endpoints, the model spec to start with); exits on a bad URL."""
-    from tuichat.backends.router import build
     from tuichat.backends.endpoints import url_problem
+    from tuichat.backends.router import build
 
     base_url = base_url or ctx.obj.get("base_url")
     if base_url is not None and (problem := url_problem(base_url)):
@@ -271,7 +271,8 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
 
     Every client's requests are batched together and share the prefix cache, as tabs do.
     """
-    from tuichat.server import is_loopback, serve as run_server
+    from tuichat.server import is_loopback
+    from tuichat.server import serve as run_server
 
     if not is_loopback(host) and api_key is None and not insecure_no_auth:
         _fail(f"--host {host} listens beyond this machine: set --api-key (or TUICHAT_API_KEY), or pass "
@@ -288,8 +289,8 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
 @main.command()
 def models() -> None:
     """List the models tuichat can open."""
-    from tuichat.config import load_config
     from tuichat.catalog import list_models
+    from tuichat.config import load_config
 
     config, _ = load_config()
     for info in list_models(config.models):

@@ -11,14 +11,14 @@ import json
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 from tuichat import paths
-from tuichat.backends.protocol import EngineOptions
 from tuichat.backends.endpoints import Endpoint, read_endpoints
+from tuichat.backends.protocol import EngineOptions
 
 
 @dataclass

@@ -13,10 +13,10 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Iterator
 
 from tuichat import paths
 

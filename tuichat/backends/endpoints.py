@@ -5,9 +5,9 @@ this at start-up."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 ONE_OFF = "remote"  # the endpoint `--base-url` makes

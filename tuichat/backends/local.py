@@ -15,12 +15,11 @@ import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, fields
 
 from tuichat import catalog
 from tuichat.backends.protocol import (
-    TuichatError,
     EngineOptions,
     EngineStats,
     Message,
@@ -29,6 +28,7 @@ from tuichat.backends.protocol import (
     SamplingParams,
     ServingOptions,
     StreamEvent,
+    TuichatError,
     Usage,
 )
 from tuichat.engine.heap import settle_heap

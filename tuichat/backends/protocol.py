@@ -7,13 +7,22 @@ the engine lazily); tests use fakes that follow the same protocol.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
-from collections.abc import AsyncIterator, Mapping, Sequence
 
 # The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
-from tuichat.engine.types import (TuichatError, FinishReason, ModelNotFound, ProgressCallback, PromptTooLong,
-                                  ResolvedModel, SamplingParams, ServingOptions, Usage)
+from tuichat.engine.types import (
+    FinishReason,
+    ModelNotFound,
+    ProgressCallback,
+    PromptTooLong,
+    ResolvedModel,
+    SamplingParams,
+    ServingOptions,
+    TuichatError,
+    Usage,
+)
 
 __all__ = ["CHAT_SAMPLING", "Backend", "TuichatError", "EngineOptions", "EngineStats", "FinishReason", "Message",
            "ModelInfo", "ModelNotFound", "ProgressCallback", "PromptTooLong", "RemoteStats", "ResolvedModel", "Role",

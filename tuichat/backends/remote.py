@@ -16,15 +16,23 @@ import os
 import socket
 import ssl
 import time
-from dataclasses import replace
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tuichat.backends.protocol import (TuichatError, Message, ModelInfo, ProgressCallback, RemoteStats, SamplingParams,
-                             StreamEvent, Usage)
 from tuichat.backends.endpoints import Endpoint
+from tuichat.backends.protocol import (
+    Message,
+    ModelInfo,
+    ProgressCallback,
+    RemoteStats,
+    SamplingParams,
+    StreamEvent,
+    TuichatError,
+    Usage,
+)
 
 RETRY_BACKOFF_S = (0.2, 0.5)  # a connection that fails before any reply arrived is tried again after these
 LIST_TIMEOUT_S = 3.0  # GET /v1/models for the picker: an unreachable server must not keep it waiting

@@ -4,12 +4,21 @@ keep talking to one Backend, and local and remote tabs run side by side."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from tuichat.backends.protocol import (Backend, TuichatError, EngineOptions, EngineStats, Message, ModelInfo, ProgressCallback,
-                             SamplingParams, StreamEvent)
 from tuichat.backends.endpoints import Endpoint, one_off, split_spec
+from tuichat.backends.protocol import (
+    Backend,
+    EngineOptions,
+    EngineStats,
+    Message,
+    ModelInfo,
+    ProgressCallback,
+    SamplingParams,
+    StreamEvent,
+    TuichatError,
+)
 
 
 class Router:

@@ -25,16 +25,26 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
-from collections.abc import Callable, Sequence
 
 from tuichat import catalog
-from tuichat.backends.protocol import TuichatError, Message, SamplingParams, chat_sampling
+from tuichat.backends.local import chat_ids
+from tuichat.backends.protocol import Message, SamplingParams, TuichatError, chat_sampling
 from tuichat.bench.corpus import (
-    FIRST_TURN, FOLLOW_UPS, LONG_REPLY_PROMPTS, PROBE_QUESTION, QUESTIONS, SHARED_PREFIX_QUESTIONS, SINGLE_QUESTIONS,
-    SYSTEM_PROMPT, WARMUP_QUESTION, GROUNDED_PROMPTS, OPEN_PROMPTS,
+    FIRST_TURN,
+    FOLLOW_UPS,
+    GROUNDED_PROMPTS,
+    LONG_REPLY_PROMPTS,
+    OPEN_PROMPTS,
+    PROBE_QUESTION,
+    QUESTIONS,
+    SHARED_PREFIX_QUESTIONS,
+    SINGLE_QUESTIONS,
+    SYSTEM_PROMPT,
+    WARMUP_QUESTION,
 )
 from tuichat.bench.floor import BandwidthProbe, measure_bandwidth, step_floor
 from tuichat.bench.peers.hf import HFPeer
@@ -45,8 +55,6 @@ from tuichat.bench.progress import Progress
 from tuichat.bench.report import targets
 from tuichat.bench.settings import MODES, SCENARIOS, BenchSettings, plan
 from tuichat.bench.stats import RequestResult, median, percentile, ratio, summarize
-from tuichat.backends.local import chat_ids
-
 
 ENGINE_THREAD = "tuichat-engine-"  # how Engine.start names its threads
 

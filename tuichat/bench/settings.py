@@ -11,13 +11,12 @@ tabs keep their full cap. The one-at-a-time peer (`hf_generate`) runs the first 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import Sequence
 
 from tuichat import catalog
-from tuichat.backends.protocol import TuichatError, EngineOptions
-
+from tuichat.backends.protocol import EngineOptions, TuichatError
 
 SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference", "speculative")
 PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp", "tuichat_serve")

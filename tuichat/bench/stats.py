@@ -8,9 +8,9 @@ include the EOS token for every system alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,9 +10,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import get_args
 
 import torch
@@ -26,7 +26,7 @@ from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import RunnerBroken
 from tuichat.engine.sampler import make_generator, sample
 from tuichat.engine.scheduler import ScheduledChunk, Scheduler
-from tuichat.engine.types import TuichatError, PromptTooLong, SamplingParams, ServingOptions, SpeculateMode
+from tuichat.engine.types import PromptTooLong, SamplingParams, ServingOptions, SpeculateMode, TuichatError
 
 SPECULATE_MODES = get_args(SpeculateMode)
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from tuichat.engine.types import TuichatError, ProgressCallback, ResolvedModel
 from tuichat.engine import families
 from tuichat.engine.cpu.build import cpu_flags
 from tuichat.engine.heap import settle_heap
 from tuichat.engine.storage import cache_dir
+from tuichat.engine.types import ProgressCallback, ResolvedModel, TuichatError
 
 _DONE_MARK = "tuichat-source.txt"  # written last: a folder without it is an interrupted conversion
 

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tuichat.engine.types import TuichatError
-from tuichat.engine.fusion import linear
 from tuichat.engine.families import ModelShape
+from tuichat.engine.fusion import linear
 from tuichat.engine.kv_cache import KVCache
 from tuichat.engine.runner import ModelRunner, RunnerBroken, StepChunk
+from tuichat.engine.types import TuichatError
 
 _COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 _ROW = {"self_attn": "o_proj", "mlp": "down_proj"}

@@ -19,10 +19,10 @@ int4: from_dense), with gguf's own quantize, so that the kernels serve them as t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tuichat.engine.types import SamplingParams, Usage
 

@@ -18,7 +18,6 @@ from tuichat.engine.kv_cache import BlockManager, CacheFull
 from tuichat.engine.request import Sequence, Status
 from tuichat.engine.runner import StepChunk, is_decode
 
-
 MAX_OVERTAKES = 8  # how many later requests may be admitted ahead of one that does not fit yet
 
 

@@ -7,10 +7,10 @@ the front ends. No torch here: the TUI imports this at start-up.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-from collections.abc import Callable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ProgressCallback = Callable[[str, float | None], None]  # (what is happening, fraction done or None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
-
 from collections.abc import Mapping
 from typing import Any
 

@@ -14,21 +14,21 @@ import signal
 import sys
 import time
 import weakref
-from functools import partial
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from urllib.parse import urlsplit
 
 from textual import events, work
 from textual.app import App, SystemCommand
-from textual.driver import Driver
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.driver import Driver
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from tuichat import paths
-from tuichat.backends.protocol import Backend, TuichatError, SamplingParams, chat_sampling
+from tuichat.backends.protocol import Backend, SamplingParams, TuichatError, chat_sampling
 from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store

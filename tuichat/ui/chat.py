@@ -3,8 +3,8 @@ on screen. What the app provides comes in a TabServices; the store and the backe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from textual.content import Content
 from textual.css.query import NoMatches

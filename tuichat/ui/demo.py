@@ -10,19 +10,19 @@ import hashlib
 import re
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import AsyncIterator, Callable, Sequence
 
 from tuichat import paths
 from tuichat.backends.protocol import (
-    TuichatError,
     EngineStats,
     Message,
     ModelInfo,
     ProgressCallback,
     SamplingParams,
     StreamEvent,
+    TuichatError,
     Usage,
 )
 

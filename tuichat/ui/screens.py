@@ -14,7 +14,7 @@ from textual.timer import Timer
 from textual.widgets import DataTable, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tuichat.backends.protocol import TuichatError, SamplingParams
+from tuichat.backends.protocol import SamplingParams, TuichatError
 
 if TYPE_CHECKING:
     from tuichat.store import SearchHit

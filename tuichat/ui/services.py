@@ -3,9 +3,9 @@ and never reach into the app object."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-from collections.abc import Awaitable, Callable
 
 if TYPE_CHECKING:
     from tuichat.backends.protocol import Backend, SamplingParams

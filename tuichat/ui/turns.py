@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
-from collections.abc import Iterable, Sequence
 
-from tuichat.backends.protocol import TuichatError, Message, SamplingParams, Usage
+from tuichat.backends.protocol import Message, SamplingParams, TuichatError, Usage
 
 if TYPE_CHECKING:
     from tuichat.ui.messages import Past

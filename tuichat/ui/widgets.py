@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from collections.abc import Callable
 
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical

@@ -7,11 +7,11 @@ import statistics
 import time
 from typing import Any
 
-from tuichat.backends.protocol import TuichatError, Message
+from tuichat.backends.local import chat_ids
+from tuichat.backends.protocol import Message, TuichatError
 from tuichat.bench.corpus import WARMUP_QUESTION
 from tuichat.bench.stats import RequestResult
 from tuichat.engine.heap import settle_heap
-from tuichat.backends.local import chat_ids
 
 
 class HFPeer:

@@ -12,7 +12,6 @@ from tuichat.backends.protocol import TuichatError
 from tuichat.bench.peers.loopback import LoopbackServer
 from tuichat.bench.stats import RequestResult
 
-
 LLAMA_SERVER_HINT = (
     "build it from llama.cpp with `cmake -B build -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF && "
     "cmake --build build --target llama-server` (a native AMX build segfaults on prompt batches), then pass "

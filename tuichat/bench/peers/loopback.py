@@ -10,8 +10,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from tuichat.backends.protocol import TuichatError
 from tuichat.bench.stats import RequestResult

@@ -9,13 +9,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import fields
 from collections.abc import Sequence
+from dataclasses import fields
 
-from tuichat.backends.protocol import TuichatError, EngineOptions, Message
+from tuichat.backends.protocol import EngineOptions, Message, TuichatError
 from tuichat.bench.peers.loopback import LoopbackServer
 from tuichat.bench.stats import RequestResult
-
 
 # The engine options the command line takes; the others come from the config.toml the server reads, as the
 # bench's did.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from tuichat.backends.protocol import TuichatError, Message, SamplingParams
+from tuichat.backends.protocol import Message, SamplingParams, TuichatError
 from tuichat.bench.corpus import WARMUP_QUESTION
 from tuichat.bench.settings import BenchSettings
 from tuichat.bench.stats import RequestResult

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from tuichat.backends.protocol import StreamEvent, TuichatError, Usage, chat_sampling
 from tuichat.server import contract, schema
-from tuichat.server.dependencies import Server, Served
+from tuichat.server.dependencies import Served, Server
 from tuichat.server.errors import ApiError, refusal
 
 log = logging.getLogger("tuichat.serve")
