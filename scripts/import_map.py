@@ -1,5 +1,6 @@
 """Draws docs/architecture.md's picture of the code from the code: which room imports which (a Mermaid graph,
-read off every module's imports with `ast`) and the index of modules with the first line of each docstring.
+read off every module's imports with `ast`) and the index of modules and C sources, each with the first
+sentence of its docstring or opening comment.
 
     python scripts/import_map.py           # rewrite the generated part of docs/architecture.md
     python scripts/import_map.py --check   # exit 1 if it is out of date (tests/test_layout.py runs this)
@@ -62,9 +63,19 @@ def imports(path: Path, modules: set[str]) -> set[str]:
 
 def first_line(path: Path) -> str:
     doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
-    sentence = " ".join(doc.split("\n\n")[0].split())
-    sentence = sentence.split(". ")[0].rstrip(".")
+    return first_sentence(doc.split("\n\n")[0])
+
+
+def first_sentence(text: str) -> str:
+    sentence = " ".join(text.split()).split(". ")[0].rstrip(".")
     return (sentence if len(sentence) <= 160 else sentence[:159].rsplit(" ", 1)[0] + " …").replace("|", "\\|")
+
+
+def c_first_line(path: Path) -> str:
+    """The first sentence of a C file's opening comment."""
+    text = path.read_text()
+    comment = text[text.index("/*") + 2 : text.index("*/")] if text.startswith("/*") else ""
+    return first_sentence(" ".join(line.strip().lstrip("*") for line in comment.splitlines()))
 
 
 def generated() -> str:
@@ -93,6 +104,10 @@ def generated() -> str:
     for _, path in sorted(paths.items(), key=lambda item: (place(item[0]), item[0])):
         if path.name != "__init__.py" or path.read_text().strip():
             lines.append(f"| `{path.relative_to(ROOT)}` | {first_line(path)} |")
+    lines += ["", "The C kernels, built into one library on first use (`engine/cpu/build.py`):", "",
+              "| source | what it is |", "|---|---|"]
+    for path in sorted([*PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]):
+        lines.append(f"| `{path.relative_to(ROOT)}` | {c_first_line(path)} |")
     return "\n".join([START, *lines, END])
 
 

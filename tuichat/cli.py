@@ -27,7 +27,8 @@ def engine_options(func):
         click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
         click.option("--device-map", default=None, help="'auto': accelerate layer split over the GPUs."),
         click.option("--quant", type=click.Choice(["auto", "none", "int8", "int4"]), default=None,
-                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1); none: bf16; int8/int4: "
+                     help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1; Q5 and K-quants re-cut to "
+                          "blocks of 32); none: bf16; int8/int4: "
                           "a dense model's quantized to Q8_0/Q4_1 blocks at load (cached)."),
         click.option("--speculate", type=click.Choice(["auto", "ngram", "off"]), default=None,
                      help="Speculative decoding from the conversation's own text (the same replies, more tokens per "
@@ -267,7 +268,8 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
 @engine_options
 @click.pass_context
 def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine_flags):
-    """Serve the engine behind an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics).
+    """Serve the engine behind an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics; its contract at /openapi.json).
 
     Every client's requests are batched together and share the prefix cache, as tabs do.
     """
@@ -299,7 +301,7 @@ def models() -> None:
 
 @main.command()
 @click.option("--model", "-m", default=None, help="Model spec (default: smollm2-135m, the embedded model).")
-@click.option("--quick", is_flag=True, help="A short run (<= 90 s here): fewer turns, shorter replies.")
+@click.option("--quick", is_flag=True, help="A short run (a minute or two): fewer turns, shorter replies.")
 @click.option("--scenarios", default="all", show_default=True,
               help="Comma-separated: single,tabs,multiturn,shared_prefix,interference,speculative.")
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")

@@ -109,7 +109,8 @@ DEFAULT_CONFIG_TOML = """\
 # sequential). Unset: the whole model on `device`.
 # device_map = "auto"
 # Linear weights, where tuichat's C layers run (CPU, bfloat16, llama/mistral/qwen2): auto reads a .gguf's in the
-# file's own blocks (Q8_0, Q4_0, Q4_1: a third of the bytes of bf16 or less) and a dense model's in bf16; none
+# file's own blocks (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1 and K-quants re-cut into blocks of 32: a third of the bytes of
+# bf16 or less) and a dense model's in bf16; none
 # dequantizes a .gguf's to bf16; int8 / int4 quantize a dense model's to Q8_0 / Q4_1 blocks of 32 (int4's
 # lm_head Q8_0) at its first load, then cached: about a half / a third of the bytes a step reads, at some fidelity.
 # quant = "auto"

@@ -40,7 +40,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 # weights each. int4 is Q4_1 (a scale and a minimum per block: 20 bytes) rather than Q4_0 (a scale, levels
 # symmetric around 0: 18 bytes), for two bytes more a block: a block's weights are seldom symmetric, and Q4_0
 # spends levels on the side they do not reach. Its error was the smaller on every measure taken (the weights'
-# RMS error, teacher-forced logits, argmax agreement with float32: README). int4's lm_head stays Q8_0, as
+# RMS error, teacher-forced logits, argmax agreement with float32: docs/design/kernels.md). int4's lm_head stays Q8_0, as
 # llama.cpp keeps its output tensor at 6 or 8 bits for its 4-bit types: a 4-bit one cost far more agreement
 # than its bytes save.
 QUANT_FORMATS = {"int8": (8, 8), "int4": (3, 8)}
