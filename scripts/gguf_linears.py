@@ -1,7 +1,10 @@
 """A decode step's matmuls over a real GGUF file, in place: every linear weight the kernels read in the file's own
 layout (Q4_K, Q6_K), straight from the mapped file, times `rows` inputs, as a step of that many rows does.
 
-    .venv/bin/python scripts/gguf_linears.py FILE.gguf [--rows 1,8,64] [--repeats 5]
+    .venv/bin/python scripts/gguf_linears.py FILE.gguf [--rows 1,8,64] [--repeats 5] [--recut]
+
+--recut times the same linears the way the engine serves them today instead: re-cut into blocks of 32 and
+packed into the tiled path's order (a copy in memory, made here first).
 
 Prints, per number of rows, the pass's time and the weight read rate by format (the output layer included: a
 decode step reads it whole). Numbers vary with what else the machine runs: compare rows of one run.
@@ -19,9 +22,10 @@ import torch
 from gguf import GGUFReader
 
 from tuichat.engine.cpu import build
-from tuichat.engine.quant import PackedWeight
+from tuichat.engine.quant import RECUT, PackedWeight, recut
 
 IN_PLACE = {12: "Q4_K", 14: "Q6_K"}
+NAMES = {**IN_PLACE, **{RECUT[fmt]: f"{name} re-cut" for fmt, name in IN_PLACE.items()}}
 
 
 def main() -> None:
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("gguf")
     parser.add_argument("--rows", default="1,8,64")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--recut", action="store_true", help="time the re-cut, packed copies instead")
     args = parser.parse_args()
     kernels, why = build.load()
     if kernels is None:
@@ -41,8 +46,13 @@ def main() -> None:
             fmt = int(tensor.tensor_type)
             if fmt in IN_PLACE and len(tensor.shape) == 2:
                 k, n = (int(v) for v in tensor.shape)
-                weights.append(PackedWeight(torch.from_numpy(np.asarray(tensor.data)), fmt, n, k))
-    print(f"{len(weights)} linears in place, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
+                blocks = np.asarray(tensor.data)
+                if args.recut:
+                    packed = kernels.pack(recut(blocks, fmt), RECUT[fmt], k)
+                    weights.append(PackedWeight(packed, RECUT[fmt], n, k))
+                else:
+                    weights.append(PackedWeight(torch.from_numpy(blocks), fmt, n, k))
+    print(f"{len(weights)} linears {'re-cut' if args.recut else 'in place'}, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
         seconds: dict[int, float] = defaultdict(lambda: float("inf"))
@@ -55,7 +65,7 @@ def main() -> None:
             for fmt, spent in this.items():
                 seconds[fmt] = min(seconds[fmt], spent)
         total = sum(seconds.values())
-        parts = ", ".join(f"{IN_PLACE[fmt]} {sum(w.bytes for w in weights if w.format == fmt) / s / 1e9:.1f} GB/s"
+        parts = ", ".join(f"{NAMES[fmt]} {sum(w.bytes for w in weights if w.format == fmt) / s / 1e9:.1f} GB/s"
                           for fmt, s in sorted(seconds.items()))
         print(f"rows {rows:3d}: {total * 1e3:8.1f} ms a pass ({parts})")
 
