@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-# Run by path (python scripts/gpu_check.py): the checkout's root holds tuichat and the tests' helpers.
+# Run by path (python scripts/gpu_check.py), maybe where tuichat is not installed: the checkout's root holds it.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import TINY as TINY_CONFIGS
 from tuichat.backends.protocol import SamplingParams
 from tuichat.catalog import resolve
 from tuichat.engine.engine import Engine, EngineConfig
@@ -41,7 +40,9 @@ SMOLLM2_135M = dict(
     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
     rms_norm_eps=1e-5,
 )
-TINY = TINY_CONFIGS["llama"]  # the tests' tiny shape; its Qwen2 twin has the same numbers
+# The tests' tiny llama shape (tests/helpers.py's TINY).
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def sync(device: torch.device) -> None:

@@ -105,6 +105,13 @@ def test_only_the_local_backend_and_the_benchs_peers_reach_into_the_engine():
                       and n not in VOCABULARY) == []
 
 
+def test_scripts_stand_on_the_package_not_on_the_tests():
+    """A script runs from any checkout, installed or not, without the tests on its path: what it shares with
+    the tests lives in tuichat."""
+    assert [f"{path.name} imports {name}" for path in sorted((ROOT / "scripts").glob("*.py"))
+            for name in sorted(imported(path)) if within(name, "tests")] == []
+
+
 def test_the_architecture_pages_picture_is_the_codes():
     """docs/architecture.md's import graph and module index are generated from the code: a move or a new import
     that is not redrawn fails here, so the picture cannot drift."""
