@@ -1,6 +1,5 @@
-"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32; Q4_K and Q6_K super-blocks as the
-file holds them, where the kernels read them in place; Q5_0, Q5_1 and Q5_K, and the K-quants elsewhere, re-cut
-into blocks of 32), for the CPU kernels.
+"""Linear weights as a GGUF file stores them (Q8_0, Q4_0, Q4_1 blocks of 32; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+re-cut into blocks of 32), for the CPU kernels.
 
 A CPU decode step is bound by reading the weights; dequantized to bf16, SmolLM2-135M's Q4_1 file becomes 269
 MB a step where its own blocks are 96. The kernels (cpu/csrc/linear_quant.c and arch/) either expand a tile of
@@ -29,23 +28,12 @@ import numpy as np
 import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
-PACK_VERSION = "4"  # of the cached layout: bump when CpuKernels.pack changes what it writes
+PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes what it writes
 # Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them, and the
 # 5-bit and K-quant types re-cut (recut): ids 100 + the GGUF type's.
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
-NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K",
-         12: "Q4_K", 14: "Q6_K"}
+NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K"}
 RECUT = {6: 106, 7: 107, 12: 112, 13: 113, 14: 114}  # GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: their re-cut ids
-# Q4_K and Q6_K as the file holds them (bytes per super-block of 256), where the kernels read them in place
-# (linear_kquant.c): fewer bytes a step than their re-cut blocks, and no re-cut at load.
-IN_PLACE = {12: 144, 14: 210}
-
-
-def row_bytes(format: int, in_features: int) -> int:
-    """The bytes of one row of `in_features` weights in `format` as the kernels are handed it."""
-    if format in IN_PLACE:
-        return in_features // 256 * IN_PLACE[format]
-    return in_features // 32 * BLOCK_BYTES[format]
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 # --quant for a dense checkpoint: (the blocks its decoder linears are quantized to, the lm_head's), groups of 32
@@ -156,13 +144,6 @@ def _linears(model) -> dict[str, torch.nn.Module]:
     return wanted
 
 
-def _formats(qtype: int) -> list[int]:
-    """The formats a GGUF type can be handed to the kernels in, the better first: its own blocks (Q8_0, Q4_0, Q4_1,
-    and Q4_K and Q6_K read in place), then blocks of 32 re-cut from it."""
-    own = [qtype] if qtype in BLOCK_BYTES or qtype in IN_PLACE else []
-    return own + ([RECUT[qtype]] if qtype in RECUT else [])
-
-
 def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
     """{parameter name: packed weight} for each decoder linear and the lm_head whose GGUF tensor is Q8_0, Q4_0,
     Q4_1 (or, where the kernels take them, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) and whose rows match the model's own weights, laid out
@@ -190,7 +171,8 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         if tensor is None or weight is None or weight.dim() != 2:
             continue
         qtype = int(tensor.tensor_type)
-        if not _formats(qtype):
+        format = RECUT.get(qtype, qtype)
+        if format not in BLOCK_BYTES:
             continue
         blocks = np.asarray(tensor.data)
         out_features, in_features = weight.shape
@@ -204,13 +186,12 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         if rows is None:
             continue
         blocks = np.ascontiguousarray(blocks[rows])
-        for format in _formats(qtype):  # the first these kernels take; none: the linear stays bf16
-            try:
-                data = kernel.pack(blocks if format == qtype else recut(blocks, qtype), format, in_features)
-            except ValueError:
-                continue
-            packed[module_name] = PackedWeight(data, format, out_features, in_features)
-            break
+        blocks = recut(blocks, qtype) if format != qtype else blocks
+        try:
+            data = kernel.pack(blocks, format, in_features)
+        except ValueError:  # a format these kernels do not take (re-cut ones off the 512-bit VNNI path): bf16
+            continue
+        packed[module_name] = PackedWeight(data, format, out_features, in_features)
     return packed
 
 

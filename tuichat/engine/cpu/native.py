@@ -200,7 +200,7 @@ def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> No
         raise ValueError(f"decoder.c needs a {shape} weight in {what}, got {(weight.out_features, weight.in_features)}")
     if weight.format == quant.BF16:
         _check(weight.data, shape, what)
-    elif (tuple(weight.data.shape) != (shape[0], quant.row_bytes(weight.format, shape[1]))
+    elif (tuple(weight.data.shape) != (shape[0], shape[1] // 32 * quant.BLOCK_BYTES[weight.format])
           or weight.data.dtype is not torch.uint8 or not weight.data.is_contiguous()):
         raise ValueError(f"decoder.c needs {quant.NAMES[weight.format]} blocks of a {shape} weight in {what}, got "
                          f"{tuple(weight.data.shape)} {weight.data.dtype}")

@@ -3,12 +3,8 @@
  * the pairs' (arch/x86/linear_int8.c) and the rows' (linear_quant.c) are laid out here. */
 #include "linear.h"
 
-/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows", or
- * "in place" (Q4_K and Q6_K as the file holds them). */
+/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
 const char *pack_layout(int format, int K) {
-#if defined(__AVX512BW__)
-    if (kquant_format(format)) return "in place";
-#endif
     format = same_layout(format);
     if (tiled_path(K)) return "tiles";
     if (from_k_quant(format)) return "none";
@@ -19,17 +15,6 @@ const char *pack_layout(int format, int K) {
  * row the quants (pairs of blocks interleaved for the int8 path, GGUF's order otherwise), then the fp16 scales,
  * then (Q4_1) the fp16 minimums. 0, or -1 for a format or shape it does not take. */
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
-    if (kquant_format(format)) {
-        /* The file's own layout, row for row (linear_kquant.c). Only where its vector path is built: elsewhere
-         * its portable path is slower than the bf16 linear, which the engine then keeps. */
-#if defined(__AVX512BW__)
-        if (K % 256 || N % 4) return -1;
-        memcpy(dst, src, (size_t)N * (K / 256) * (format == FMT_Q4_K ? 144 : 210));
-        return 0;
-#else
-        return -1;
-#endif
-    }
     format = same_layout(format);
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
     if ((!bytes && !from_k_quant(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
