@@ -162,7 +162,8 @@ class LocalBackend:
             if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
             dtype = loader.resolve_dtype(self.options.dtype, device, family)
-            weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress)
+            in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
+            weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
             serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
             config = EngineConfig(**serving, quant_cache=quant_cache, quant_source=loader.checkpoint_dir(resolved))

@@ -191,6 +191,24 @@ def converted_path(model: ResolvedModel, progress: ProgressCallback | None = Non
     return target
 
 
+def metadata_cache() -> Path:
+    """Where a GGUF's tokenizer and config, made from its metadata, are remembered (gguf_file.config_and_tokenizer)."""
+    return cache_dir() / "gguf"
+
+
+def in_place(model: ResolvedModel, device: torch.device, dtype: torch.dtype, quant: str = "auto", tp: int = 1,
+             device_map: str | None = None) -> bool:
+    """Whether `model` is served from its file's own blocks (mapped.py): a GGUF of a family whose layers run in
+    C, on a CPU in bf16 with the kernels built, its blocks as they are (--quant auto), in one process. Anything
+    else goes through a conversion to a transformers folder (converted_path)."""
+    if model.kind != "gguf" or device.type != "cpu" or dtype is not torch.bfloat16 or quant != "auto" or tp != 1 or device_map:
+        return False
+    from tuichat.engine import mapped
+    from tuichat.engine.cpu import build
+
+    return mapped.gguf_model_type(model.source) is not None and build.available()
+
+
 @_only_our_progress()
 def load(
     model: ResolvedModel,
@@ -199,10 +217,22 @@ def load(
     device_map: str | None = None,
     progress: ProgressCallback | None = None,
     with_tokenizer: bool = True,
+    mapped: bool = False,
 ):
-    """Returns (model, tokenizer or None), the model in eval mode on `device` (or spread by `device_map`)."""
+    """Returns (model, tokenizer or None), the model in eval mode on `device` (or spread by `device_map`).
+    `mapped` (where in_place says so): served from the GGUF's own blocks (mapped.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if mapped:
+        from tuichat.engine import mapped as mapping
+        from tuichat.engine.cpu import build
+
+        report(progress, f"Mapping {model.name}", None)
+        kernel, _ = build.load()
+        weights, tokenizer = mapping.load(model.source, kernel, metadata_cache(), with_tokenizer)
+        settle_heap()
+        report(progress, f"Loaded {model.name}", 1.0)
+        return weights, tokenizer
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
     refuse_unsupported(model.name, source)
     report(progress, f"Loading {model.name}", None)
@@ -275,7 +305,17 @@ def refuse_unsupported(name: str, source: str) -> str:
 
 
 def family(model: ResolvedModel, progress: ProgressCallback | None = None) -> str:
-    """The model's family (model_type), converting a GGUF first if it must; refuses one tuichat does not serve."""
-    source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
-    return refuse_unsupported(model.name, source)
+    """The model's family (model_type), a GGUF's from its metadata; refuses one tuichat does not serve."""
+    if model.kind != "gguf":
+        return refuse_unsupported(model.name, model.source)
+    from tuichat.engine.gguf_file import GGUFFile, config_and_tokenizer
+
+    file = GGUFFile(model.source)
+    try:
+        config, _ = config_and_tokenizer(file, metadata_cache(), with_tokenizer=False)
+    finally:
+        file.close()
+    if (why := families.unsupported(config)) is not None:
+        raise TuichatError(f"tuichat cannot run {model.name}: {why}.")
+    return families.text_config(config).model_type
 

@@ -179,7 +179,7 @@ def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttenti
         return f"head shape {heads}x{head_dim} over {kv_heads} KV heads"
     if shape.hidden % 32 or shape.intermediate % 32:
         return "hidden or intermediate size not a multiple of 32"
-    for layer in model.model.layers:
+    for layer in model.model.layers if getattr(model, "tuichat_mapped", None) is None else ():  # (mapped: all packed)
         linears = [getattr(layer.self_attn, "fused_q_k_v", None), layer.self_attn.o_proj,
                    getattr(layer.mlp, "fused_gate_up", None), layer.mlp.down_proj]
         if any(l is None or not CpuKernels.fits(l.weight, l.bias) for l in linears):
@@ -200,7 +200,7 @@ def _check_weight(weight: PackedWeight, shape: tuple[int, int], what: str) -> No
         raise ValueError(f"decoder.c needs a {shape} weight in {what}, got {(weight.out_features, weight.in_features)}")
     if weight.format == quant.BF16:
         _check(weight.data, shape, what)
-    elif (tuple(weight.data.shape) != (shape[0], shape[1] // 32 * quant.BLOCK_BYTES[weight.format])
+    elif (tuple(weight.data.shape) != (shape[0], quant.row_bytes(weight.format, shape[1]))
           or weight.data.dtype is not torch.uint8 or not weight.data.is_contiguous()):
         raise ValueError(f"decoder.c needs {quant.NAMES[weight.format]} blocks of a {shape} weight in {what}, got "
                          f"{tuple(weight.data.shape)} {weight.data.dtype}")
@@ -297,8 +297,13 @@ class NativeDecoder:
     embedding and the norms' weights in fp32: `exact`'s (quant.exact_tensors) where given, else the model's."""
 
     def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels,
-                 packed: dict[str, PackedWeight] | None = None, exact: dict[str, torch.Tensor] | None = None) -> None:
+                 packed: dict[str, PackedWeight] | None = None, exact: dict[str, torch.Tensor] | None = None,
+                 embedding_rows=None) -> None:
+        """`embedding_rows` (ids -> float32 rows): where the embedding's rows come from when the model holds no
+        embedding matrix (a GGUF served from its map: mapped.py); the weights are then never joined, as joining
+        would copy what is read in place."""
         self.model = model
+        self.embedding_rows = embedding_rows
         self.block_size = block_size
         self.shape = ModelShape.of(model.config)
         self.kernel = kernel
@@ -340,7 +345,7 @@ class NativeDecoder:
             blocks differ in format or some part has none, part by part: each part's blocks, else its rows of
             the bf16 weight. Each checked for the shape decoder.c assumes."""
             parts = [packed.get(f"model.layers.{i}.{name}") for name in names]
-            joined = PackedWeight.cat(parts) if all(parts) else None
+            joined = PackedWeight.cat(parts) if all(parts) and embedding_rows is None else None
             if joined is not None or not any(parts):
                 weights, sizes = [joined or PackedWeight.of(bf16.weight)], [sum(sizes)]
             else:
@@ -351,13 +356,17 @@ class NativeDecoder:
             return weights
 
         kv_rows = s.kv_heads * s.head_dim
+        self._biases: list[torch.Tensor] = []  # joined q/k/v and gate/up biases of unfused linears, read by address
         for i, layer in enumerate(layers):  # each with the shape decoder.c assumes
             attn, mlp = layer.self_attn, layer.mlp
             qkv_parts = linear(i, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                               [s.heads * s.head_dim, kv_rows, kv_rows], s.hidden, attn.fused_q_k_v)
+                               [s.heads * s.head_dim, kv_rows, kv_rows], s.hidden, getattr(attn, "fused_q_k_v", None))
             [o_w] = linear(i, ["self_attn.o_proj"], [s.hidden], s.heads * s.head_dim, attn.o_proj)
-            gate_up_parts = linear(i, ["mlp.gate_proj", "mlp.up_proj"], [s.intermediate] * 2, s.hidden, mlp.fused_gate_up)
+            gate_up_parts = linear(i, ["mlp.gate_proj", "mlp.up_proj"], [s.intermediate] * 2, s.hidden,
+                                   getattr(mlp, "fused_gate_up", None))
             [down_w] = linear(i, ["mlp.down_proj"], [s.hidden], s.intermediate, mlp.down_proj)
+            qkv_b = self._joined_bias(attn, "fused_q_k_v", ("q_proj", "k_proj", "v_proj"))
+            gate_up_b = self._joined_bias(mlp, "fused_gate_up", ("gate_proj", "up_proj"))
             weights = [*qkv_parts, o_w, *gate_up_parts, down_w]
             qkv_w, gate_up_w = qkv_parts[0], gate_up_parts[0]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -366,9 +375,9 @@ class NativeDecoder:
                 self._norms += norms
             norm_dtype = torch.float32 if packed else torch.bfloat16
             for tensor, shape, dtype in [
-                (norms[0], (s.hidden,), norm_dtype), (attn.fused_q_k_v.bias, (qkv,), torch.bfloat16),
+                (norms[0], (s.hidden,), norm_dtype), (qkv_b, (qkv,), torch.bfloat16),
                 (attn.o_proj.bias, (s.hidden,), torch.bfloat16), (norms[1], (s.hidden,), norm_dtype),
-                (mlp.fused_gate_up.bias, (2 * s.intermediate,), torch.bfloat16),
+                (gate_up_b, (2 * s.intermediate,), torch.bfloat16),
                 (mlp.down_proj.bias, (s.hidden,), torch.bfloat16), (kv.k[i], cache, self.kv_dtype),
                 (kv.v[i], cache, self.kv_dtype),
             ]:
@@ -377,8 +386,8 @@ class NativeDecoder:
             k_w, v_w = qkv_parts[1:] or (None, None)
             linears = {"qkv_w": qkv_w, "k_w": k_w, "v_w": v_w, "o_w": o_w, "gate_up_w": gate_up_w,
                        "up_w": gate_up_parts[1] if len(gate_up_parts) > 1 else None, "down_w": down_w}
-            tensors = {"attn_norm": norms[0], "mlp_norm": norms[1], "qkv_b": attn.fused_q_k_v.bias,
-                       "o_b": attn.o_proj.bias, "gate_up_b": mlp.fused_gate_up.bias, "down_b": mlp.down_proj.bias,
+            tensors = {"attn_norm": norms[0], "mlp_norm": norms[1], "qkv_b": qkv_b,
+                       "o_b": attn.o_proj.bias, "gate_up_b": gate_up_b, "down_b": mlp.down_proj.bias,
                        "k_cache": kv.k[i], "v_cache": kv.v[i]}
             table[i] = LayerWeights(  # fields left out (a bias, a part) stay NULL
                 **{name: w.data.data_ptr() for name, w in linears.items() if w is not None},
@@ -400,6 +409,18 @@ class NativeDecoder:
         self._head = (None, 0, None, 0) if self.head is None else (
             self.head.data.data_ptr(), self.head.format, None if bias is None else bias.data_ptr(), self.head.out_features)
         self._checked_embedding = None
+
+    def _joined_bias(self, part, fused: str, names: tuple[str, ...]) -> torch.Tensor | None:
+        """The bias of `part`'s fused linear, or its linears' biases joined (zeros for one without), or None."""
+        if hasattr(part, fused):
+            return getattr(part, fused).bias
+        linears = [getattr(part, name) for name in names]
+        if all(l.bias is None for l in linears):
+            return None
+        joined = torch.cat([l.bias.detach() if l.bias is not None else torch.zeros(l.out_features, dtype=torch.bfloat16)
+                            for l in linears]).to(torch.bfloat16).contiguous()
+        self._biases.append(joined)
+        return joined
 
     @property
     def formats(self) -> str:
@@ -425,6 +446,10 @@ class NativeDecoder:
         step (with packed weights, up to the logits) is one decoder_step call, fed one int32 tensor: ids,
         positions, where each row's block table starts, the rows that sample, then the tables."""
         tokens, positions, sample_rows = flatten(chunks)
+        rows = None
+        if self.embedding_rows is not None:  # the step's own rows of the embedding, looked up by their index
+            distinct, tokens = np.unique(np.asarray(tokens), return_inverse=True)
+            rows, tokens = self.embedding_rows(distinct), tokens.tolist()
         table_offsets: list[int] = []  # per row: where its sequence's block table starts in `tables`
         tables: list[int] = []
         for chunk in chunks:
@@ -444,6 +469,7 @@ class NativeDecoder:
         _check(cos, (by_position or n, shape.head_dim), "rotary cos", dtype)
         _check(sin, (by_position or n, shape.head_dim), "rotary sin", dtype)
         embedding = self.model.model.embed_tokens.weight if self.embedding is None else self.embedding
+        embedding = rows if rows is not None else embedding
         if embedding is not self._checked_embedding:  # it never changes in a model's life: checked once
             _check(embedding, (embedding.shape[0], shape.hidden), "the embedding", embedding.dtype)
             if embedding.dtype not in (torch.bfloat16, dtype):

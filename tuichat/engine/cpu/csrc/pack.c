@@ -3,8 +3,16 @@
  * the pairs' (arch/x86/linear_int8.c) and the rows' (linear_quant.c) are laid out here. */
 #include "linear.h"
 
-/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows". */
+/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows", or
+ * "in place": Q4_K and Q6_K read as the file holds them (linear_kquant.c), where its vector path is built (its
+ * portable path is slower than the bf16 linear). */
 const char *pack_layout(int format, int K) {
+    if (kquant_format(format)) {
+#if defined(__AVX512BW__)
+        if (K % 256 == 0) return "in place";
+#endif
+        return "none";
+    }
     format = same_layout(format);
     if (tiled_path(K)) return "tiles";
     if (from_k_quant(format)) return "none";

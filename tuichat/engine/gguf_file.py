@@ -1,0 +1,242 @@
+"""A GGUF file opened in place: its metadata and tensor table read once, its tensors as views of one read-only
+memory map, and the model's config and tokenizer made from the metadata (the tokenizer cached by the metadata's
+hash, so that a later load reads a few MB of JSON rather than the vocabulary's arrays).
+
+Why not gguf's GGUFReader: it builds numpy views for every string of the vocabulary and its merges, several
+seconds for a 128k-token Llama 3 vocabulary here, before a weight is read. This reader walks the same header
+with `struct` and keeps strings as Python strings. transformers' own GGUF config and tokenizer conversion run
+over it (`as_gguf_reader`), so that they stay transformers' for every family it knows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tuichat.engine.types import TuichatError
+
+_NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRUCT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # rows first (numpy's order; the file lists the dims the other way round)
+    type: int  # ggml's type number
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+class GGUFFile:
+    """The header of `path` (fields: {key: value}, tensors: {name: TensorInfo}) and, on demand, its tensors as
+    views of a read-only map of the file (`array`). Raises TuichatError for a file that is not GGUF or is cut
+    short, naming the bytes it lacks."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = Path(path)
+        self.fields: dict[str, object] = {}
+        self.types: dict[str, tuple[int, ...]] = {}  # each field's GGUF value type (arrays: 9 and the item type)
+        try:
+            with open(self.path, "rb") as file:
+                self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+            raise TuichatError(f"Could not read {self.path}: {exc}") from None
+        buf = self._map
+        size = len(buf)
+        try:
+            magic, version, n_tensors, n_fields = struct.unpack_from("<4sIQQ", buf, 0)
+            if magic != b"GGUF" or version not in (2, 3):
+                raise ValueError(f"magic {magic!r}, version {version}")
+            self._at = 24
+            for _ in range(n_fields):
+                key = self._string()
+                (kind,) = self._unpack("<I")
+                self.fields[key], self.types[key] = self._value(kind)
+            infos = []
+            for _ in range(n_tensors):
+                name = self._string()
+                (dims,) = self._unpack("<I")
+                shape = self._unpack(f"<{dims}Q")
+                kind, offset = self._unpack("<IQ")
+                infos.append((name, tuple(reversed(shape)), kind, offset))
+            alignment = int(self.fields.get("general.alignment", 32))
+            self.data_offset = -(-self._at // alignment) * alignment
+        except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+            self.close()
+            raise TuichatError(f"{self.path} is truncated or corrupt: it does not read as GGUF ({exc}).") from None
+        self.header_bytes = self._at
+        self.tensors: dict[str, TensorInfo] = {}
+        end = self.data_offset
+        for name, shape, kind, offset in infos:
+            try:
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                self.close()
+                raise TuichatError(f"{self.path} holds tensor {name} in ggml type {kind}, which gguf {_gguf_version()} "
+                                   "does not know: a newer file format than this tuichat reads.") from None
+            count = int(np.prod(shape, dtype=np.int64))
+            nbytes = count // block * block_bytes
+            self.tensors[name] = TensorInfo(name, shape, kind, self.data_offset + offset, nbytes)
+            end = max(end, self.data_offset + offset + nbytes)
+        if end > size:
+            self.close()
+            raise TuichatError(f"{self.path} is truncated or corrupt: its tensors need {end:,} bytes, the file has "
+                               f"{size:,}. Download or copy it again.")
+
+    # -- the header's grammar --------------------------------------------------------------------------------
+    def _unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self._map, self._at)
+        self._at += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self._map, self._at)
+        start = self._at + 8
+        self._at = start + length
+        if self._at > len(self._map):
+            raise ValueError("a string runs past the end of the file")
+        return self._map[start:self._at].decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> tuple[object, tuple[int, ...]]:
+        if kind == _STRING:
+            return self._string(), (kind,)
+        if kind in _NUMERIC:
+            (value,) = self._unpack("<" + _STRUCT[kind])
+            return value, (kind,)
+        if kind != _ARRAY:
+            raise ValueError(f"unknown value type {kind}")
+        item, count = self._unpack("<IQ")
+        if item == _STRING:
+            return [self._string() for _ in range(count)], (kind, item)
+        if item not in _NUMERIC:
+            raise ValueError(f"an array of value type {item}")
+        dtype = np.dtype(_NUMERIC[item])
+        values = np.frombuffer(self._map, dtype, count, self._at).copy()
+        self._at += dtype.itemsize * count
+        return values, (kind, item)
+
+    # -- what the engine reads -------------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor `name` as the file stores it: uint8 rows of its blocks, or F32/F16/BF16 values, a read-only view
+        of the map (nothing is read until used)."""
+        info = self.tensors[name]
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
+        flat = np.frombuffer(self._map, np.uint8, info.nbytes, info.offset)
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        plain = {0: np.float32, 1: np.float16, 30: np.uint16}.get(info.type)  # F32, F16, BF16 (as raw bits)
+        if plain is not None:
+            return flat.view(plain).reshape(info.shape)
+        return flat.reshape(rows, info.shape[-1] // block * block_bytes)
+
+    def header_hash(self) -> str:
+        """sha256 of the metadata and tensor table: what the tokenizer and config are made from."""
+        return hashlib.sha256(self._map[: self.header_bytes]).hexdigest()
+
+    def close(self) -> None:
+        """Unmap the file once no view of it is left (a view still alive keeps its pages mapped)."""
+        try:
+            self._map.close()
+        except BufferError:  # views remain: the map goes when they do
+            pass
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+class _Field:
+    """A field as gguf's ReaderField shows it to transformers: parts indexed by `data`, and the value types."""
+
+    def __init__(self, value, types: tuple[int, ...]) -> None:
+        self.types = list(types)
+        if types[0] == _STRING:
+            self.parts, self.data = [value.encode()], [0]
+        elif types[0] != _ARRAY:
+            self.parts, self.data = [np.array([value])], [0]
+        elif types[1] == _STRING:
+            self.parts, self.data = [s.encode() for s in value], range(len(value))
+        else:
+            self.parts, self.data = value.reshape(-1, 1), range(len(value))
+
+
+class _ReaderView:
+    """What transformers' load_gguf_checkpoint reads of a GGUFReader (fields and tensor names), over a GGUFFile."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.fields = {key: _Field(value, file.types[key]) for key, value in file.fields.items()}
+        self.tensors = [type("Tensor", (), {"name": name})() for name in file.tensors]
+
+
+@contextmanager
+def as_gguf_reader(file: GGUFFile) -> Iterator[None]:
+    """While inside, gguf.GGUFReader opened on `file`'s path is this reader's view (transformers opens the file
+    twice, for the config and the tokenizer, each time with gguf's slow reader)."""
+    import gguf
+
+    original = gguf.GGUFReader
+    view = _ReaderView(file)
+    target = os.path.realpath(file.path)
+
+    def reader(path, *args, **kwargs):
+        return view if os.path.realpath(path) == target else original(path, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def config_and_tokenizer(file: GGUFFile, cache: Path | None, with_tokenizer: bool = True):
+    """(transformers config, tokenizer or None) from the file's metadata, by transformers' own GGUF conversion.
+    The tokenizer (a few MB of JSON: under 20 MB for a 150k vocabulary) and the config are remembered in `cache`,
+    a folder keyed by the header's hash, and read from there later; an unwritable cache only makes the next load
+    slower."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = cache / file.header_hash()[:32] if cache is not None else None
+    done = folder is not None and (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    if done:
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+            return config, AutoTokenizer.from_pretrained(str(folder)) if with_tokenizer else None
+        except (OSError, ValueError, json.JSONDecodeError):  # damaged: made again below
+            pass
+    with as_gguf_reader(file):
+        try:
+            config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
+        except (OSError, ValueError, KeyError) as exc:  # an architecture or tokenizer transformers does not know
+            raise TuichatError(f"Could not load model '{file.path.name}': {exc}") from exc
+    if folder is not None:
+        temporary = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+        try:
+            tokenizer.save_pretrained(str(temporary))
+            config.save_pretrained(str(temporary))
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged one
+            os.replace(temporary, folder)
+        except OSError:
+            shutil.rmtree(temporary, ignore_errors=True)
+    return config, tokenizer if with_tokenizer else None
