@@ -1,6 +1,7 @@
 """Q4_K and Q6_K weights read in the file's own layout (ggml's super-blocks of 256, no re-cut), on every build
 this CPU can run: the result is gguf's own dequantization of the same bytes times the inputs quantized to
-int8 per 256 (the kernel's method), to fp32 summation error; and a row's result does not depend on its batch."""
+int8 per 256 (the kernel's method), to fp32 summation error; and a row's result does not depend on its batch,
+nor on which of the two kernels (row tiles for few rows, a GEMM for many) ran it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def reference(x: torch.Tensor, raw: np.ndarray, name: str, k: int) -> tuple[np.n
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("n,k,rows", [(4, 256, 1), (64, 512, 3), (36, 1536, 17), (8, 768, 8)])
+@pytest.mark.parametrize("n,k,rows", [(4, 256, 1), (64, 512, 3), (36, 1536, 17), (8, 768, 8), (48, 768, 21)])
 def test_a_k_quant_linear_is_gguf_dequantized_times_its_int8_inputs(kernels, name, n, k, rows):
     raw = blocks(name, n, k, seed=n * k + rows)
     weight = PackedWeight(torch.from_numpy(raw), FORMATS[name][0], n, k)
@@ -54,14 +55,18 @@ def test_a_k_quant_linear_is_gguf_dequantized_times_its_int8_inputs(kernels, nam
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
+    """37 rows go through the GEMM where the build has one (512-bit VNNI), one row or six through the row tiles:
+    the same outputs, bit for bit."""
     k = 768
     raw = blocks(name, 32, k, seed=5)
     weight = PackedWeight(torch.from_numpy(raw), FORMATS[name][0], 32, k)
-    x = torch.randn(13, k, generator=torch.Generator().manual_seed(3))
-    together = kernels.linear(x, weight, None)
-    for row in (0, 4, 12):
-        assert torch.equal(kernels.linear(x[row : row + 1], weight, None)[0], together[row])
-    assert torch.equal(kernels.linear(x[5:11], weight, None), together[5:11])
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        together = kernels.linear(x.to(dtype), weight, None)
+        for row in (0, 4, 12, 36):
+            assert torch.equal(kernels.linear(x[row : row + 1].to(dtype), weight, None)[0], together[row])
+        assert torch.equal(kernels.linear(x[5:11].to(dtype), weight, None), together[5:11])
+        assert torch.equal(kernels.linear(x[3:20].to(dtype), weight, None), together[3:20])
 
 
 def test_a_shape_the_k_quant_linear_cannot_take_is_refused(kernels):

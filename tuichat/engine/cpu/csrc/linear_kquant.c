@@ -8,11 +8,20 @@
  * weights), fp16 d. A weight is d * sc[g] * (q - 32).
  *
  * The inputs are quantized once per call to int8 per 256 (one scale each, with the sums of every 16 and 32 for
- * the -32's and the minimums' terms), in the order the weights' vectors come out of their bytes, so that every
- * weight vector meets its inputs with one load. All integer sums are exact; each output is then scaled and
- * summed in fp32 in a fixed order, the same for a row whatever its batch. A tile is 4 weight rows, each read
- * whole before the next (one stream per thread), against up to 4 input rows. */
+ * the -32's and the minimums' terms), as llama.cpp's Q8_K. Per output and super-block the arithmetic is fixed:
+ * two exact int32 sums, S (the sub-blocks' dot products times their scales) and, for Q4_K, Ms (the minimums
+ * times the inputs' sums), then acc = fma(S, d * dx, acc) and acc = fma(Ms, -dmin * dx, acc) in fp32, block
+ * after block. Any way of getting the integers gives the same output, so two kernels share the work:
+ * - rows (few input rows: decodes): a tile is 4 weight rows, each read whole before the next (one stream per
+ *   thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
+ *   their bytes, so that every weight vector meets its inputs with one load.
+ * - a GEMM (many input rows, with 512-bit VNNI): 16 weight rows are unpacked per super-block into one vector
+ *   per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction, the
+ *   16 rows' fp32 sums in the lanes.
+ * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
+#include <omp.h>
+#include <stdint.h>
 
 #include "linear.h"
 
@@ -92,6 +101,11 @@ static inline __m512i lanes_of(int a, int b, int c, int d) {
     return _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c, b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
 }
 
+static inline int hsum4(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
+}
+
 /* A super-block's 256 unsigned weights (4 vectors) times its 256 int8 inputs, each pair sum times its scale
  * (sv: int16, lanes as the weights'): 16 int32 lanes whose sum is the block's scaled dot product. */
 static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], const int8_t *q) {
@@ -102,7 +116,7 @@ static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], cons
 }
 
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
-                                                            const q8_block *xq, int mr, vf *acc) {
+                                                            const q8_block *xq, int mr, float *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const __m512i idx[4] = {lanes_of(0, 0, 2, 2), lanes_of(1, 1, 3, 3), lanes_of(4, 4, 6, 6), lanes_of(5, 5, 7, 7)};
     for (int r = 0; r < KQ_NR; r++)
@@ -128,18 +142,18 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, lo
             for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
             for (int m = 0; m < mr; m++) {
                 const q8_block *a = xq + (long)m * blocks + b;
-                __m512i sum = scaled_dots(wv, sv, a->q);
+                const int sum = _mm512_reduce_add_epi32(scaled_dots(wv, sv, a->q));
                 /* the minimums' term: m[s] times the sum of sub-block s's inputs (two sums of 16 each) */
-                const __m512i msum = _mm512_zextsi128_si512(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves)));
-                vf *out = acc + m * KQ_NR + r;
-                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a->d), (__m512)*out);
-                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_set1_ps(-dmin * a->d), (__m512)*out);
+                const int msum = hsum4(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves)));
+                float *out = acc + m * KQ_NR + r;
+                *out = fmaf((float)sum, d * a->d, *out);
+                *out = fmaf((float)msum, -dmin * a->d, *out);
             }
         }
 }
 
 static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
-                                                            const q8_block *xq, int mr, vf *acc) {
+                                                            const q8_block *xq, int mr, float *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
     for (int r = 0; r < KQ_NR; r++)
@@ -167,16 +181,15 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, lo
                 /* q - 32: 32 times each group's scale times its inputs' sum */
                 const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
                 sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-                vf *out = acc + m * KQ_NR + r;
-                *out = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a->d), (__m512)*out);
+                float *out = acc + m * KQ_NR + r;
+                *out = fmaf((float)_mm512_reduce_add_epi32(sum), d * a->d, *out);
             }
         }
 }
-#define KQ_VECTOR 1
 #else
-/* Without 512-bit integer vectors: the same exact integer sums, lane 0 of each accumulator. */
+/* Without 512-bit integer vectors: the same exact integer sums, one at a time. */
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
-                                                            const q8_block *xq, int mr, vf *acc) {
+                                                            const q8_block *xq, int mr, float *acc) {
     static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     for (int b = 0; b < blocks; b++)
         for (int r = 0; r < KQ_NR; r++) {
@@ -196,13 +209,14 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, lo
                     sum += sc[s] * dot;
                     msum += mn[s] * a->halves[s];
                 }
-                acc[m * KQ_NR + r][0] += (float)sum * (d * a->d) + (float)msum * (-dmin * a->d);
+                acc[m * KQ_NR + r] = fmaf((float)sum, d * a->d, acc[m * KQ_NR + r]);
+                acc[m * KQ_NR + r] = fmaf((float)msum, -dmin * a->d, acc[m * KQ_NR + r]);
             }
         }
 }
 
 static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
-                                                            const q8_block *xq, int mr, vf *acc) {
+                                                            const q8_block *xq, int mr, float *acc) {
     for (int b = 0; b < blocks; b++)
         for (int r = 0; r < KQ_NR; r++) {
             const uint8_t *blk = w + r * row_bytes + (long)b * Q6_K_BYTES;
@@ -223,45 +237,205 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, lo
                     }
                     sum += sc[g] * (dot - 32 * a->sums[g]);
                 }
-                acc[m * KQ_NR + r][0] += (float)sum * (d * a->d);
+                acc[m * KQ_NR + r] = fmaf((float)sum, d * a->d, acc[m * KQ_NR + r]);
             }
         }
 }
-#define KQ_VECTOR 0
 #endif
+
+/* n outputs of one input row (weight rows n0...), plus the bias, into y at `at` + n0: fp32, or rounded to bf16. */
+static inline void store_outputs(const float *acc, int n, const uint16_t *bias, void *y, long at, int n0, int f32) {
+    for (int r = 0; r < n; r++) {
+        float v = acc[r];
+        if (bias) v += bf16_to_float(bias[n0 + r]);
+        if (f32) ((float *)y)[at + n0 + r] = v;
+        else ((uint16_t *)y)[at + n0 + r] = to_bf16(splat(v))[0];
+    }
+}
 
 static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, const int format, long row_bytes,
                                                               int blocks, const q8_block *xq, const uint16_t *bias,
                                                               void *y, long y_stride, int n0, int m0, const int mr,
                                                               int f32) {
-    vf acc[KQ_NR * KQ_MR] = {};
+    float acc[KQ_NR * KQ_MR] = {};
     if (format == FMT_Q4_K) q4_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
     else q6_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
-#if KQ_VECTOR && LANES == KQ_NR * KQ_MR
-    store_tile(acc, bias, y, y_stride, n0, m0, mr, f32);
-#else
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < KQ_NR; r++) {
-            float v = KQ_VECTOR ? hsum(acc[m * KQ_NR + r]) : acc[m * KQ_NR + r][0];
-            if (bias) v += bf16_to_float(bias[n0 + r]);
-            if (f32) ((float *)y)[(long)(m0 + m) * y_stride + n0 + r] = v;
-            else ((uint16_t *)y)[(long)(m0 + m) * y_stride + n0 + r] = to_bf16(splat(v))[0];
-        }
-#endif
+    for (int m = 0; m < mr; m++) store_outputs(acc + m * KQ_NR, KQ_NR, bias, y, (long)(m0 + m) * y_stride, n0, f32);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
+#define KG_MR 4     /* input rows per pass over an unpacked super-block */
+#define KG_MIN_M 16 /* input rows from which unpacking (gathers, scales) costs less than it saves */
+
+/* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
+ * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
+ * 16), Q4_K's minimums as int16 pairs (m[2k] | m[2k + 1] << 16), and d, -dmin. */
+typedef struct {
+    __m512i w[8][8];
+    __m512i sc[16];
+    __m512i mn[4];
+    __m512 d, ndmin;
+} kg_block;
+
+static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)row_bytes));
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
+    int32_t sc[16][KG_ROWS], mn[4][KG_ROWS];
+    float d[KG_ROWS], ndmin[KG_ROWS];
+    for (int r = 0; r < KG_ROWS; r++) {
+        const uint8_t *blk = first + r * row_bytes;
+        if (q4) {
+            uint16_t h[2];
+            memcpy(h, blk, 4);
+            d[r] = half_to_float(h[0]);
+            ndmin[r] = -half_to_float(h[1]);
+            uint8_t s8[8], m8[8];
+            q4_k_scales(blk + 4, s8, m8);
+            for (int j = 0; j < 8; j++) sc[j][r] = s8[j];
+            for (int k = 0; k < 4; k++) mn[k][r] = m8[2 * k] | m8[2 * k + 1] << 16;
+        } else {
+            uint16_t h;
+            memcpy(&h, blk + 208, 2);
+            d[r] = half_to_float(h);
+            ndmin[r] = 0.0f;
+            for (int g = 0; g < 16; g++) sc[g][r] = (int8_t)blk[192 + g];
+        }
+    }
+    for (int j = 0; j < 16; j++) u->sc[j] = _mm512_loadu_si512(sc[j]);
+    for (int k = 0; k < 4; k++) u->mn[k] = _mm512_loadu_si512(mn[k]);
+    u->d = _mm512_loadu_ps(d);
+    u->ndmin = _mm512_loadu_ps(ndmin);
+    if (q4) {
+        for (int c = 0; c < 4; c++)
+            for (int v = 0; v < 8; v++) {
+                const __m512i g = _mm512_i32gather_epi32(rows, first + 16 + 32 * c + 4 * v, 1);
+                u->w[2 * c][v] = _mm512_and_si512(g, nib);
+                u->w[2 * c + 1][v] = _mm512_and_si512(_mm512_srli_epi32(g, 4), nib);
+            }
+        return;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int v = 0; v < 8; v++) {  /* weights 128h + 32t + 4v..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
+            const __m512i hi = _mm512_i32gather_epi32(rows, first + 128 + 32 * h + 4 * v, 1);
+            for (int half = 0; half < 2; half++) {
+                const __m512i lo = _mm512_i32gather_epi32(rows, first + 64 * h + 32 * half + 4 * v, 1);
+                for (int shift = 0; shift < 2; shift++) {
+                    const int t = 2 * shift + half;
+                    u->w[4 * h + t][v] = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi32(lo, 4 * shift), nib),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2 * t), two), 4));
+                }
+            }
+        }
+}
+
+static inline int32_t x_four(const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, 4);
+    return four;
+}
+
+/* Input rows m0..m0+mr-1 against an unpacked super-block: each row's S and Ms, 16 rows' at once, and the two
+ * fmas of every output (out: 16 floats per input row). */
+static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
+                                                          const int mr, float *out) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* where Q4_K's sub-block s sits in the inputs (and back) */
+    __m512i S[KG_MR];
+    for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
+    for (int blk = 0; blk < 8; blk++) {
+        if (q4) {
+            __m512i dot[KG_MR];
+            for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v++)
+                for (int j = 0; j < mr; j++)
+                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * order[blk] + 4 * v)));
+            for (int j = 0; j < mr; j++) S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(dot[j], u->sc[blk]));
+            continue;
+        }
+        for (int half = 0; half < 2; half++) {
+            const int g = 2 * blk + half;
+            __m512i dot[KG_MR];
+            for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
+            for (int v = 4 * half; v < 4 * half + 4; v++)
+                for (int j = 0; j < mr; j++)
+                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * blk + 4 * v)));
+            for (int j = 0; j < mr; j++)
+                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_sub_epi32(dot[j], _mm512_set1_epi32(32 * a[j]->sums[g])),
+                                                                 u->sc[g]));
+        }
+    }
+    for (int j = 0; j < mr; j++) {
+        const __m512 dx = _mm512_set1_ps(a[j]->d);
+        __m512 o = _mm512_loadu_ps(out + 16 * j);
+        o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[j]), _mm512_mul_ps(u->d, dx), o);
+        if (q4) {
+            __m512i ms = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++)
+                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(u->mn[k], _mm512_set1_epi32(x_four((const int8_t *)(a[j]->halves + 2 * k)))));
+            o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(u->ndmin, dx), o);
+        }
+        _mm512_storeu_ps(out + 16 * j, o);
+    }
+}
+
+static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const q8_block *xq, int M, int n0,
+                    kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
+    memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
+    const int full = M / KG_MR * KG_MR;
+    for (int b = 0; b < blocks; b++) {
+        kg_unpack(w + n0 * row_bytes + (long)b * (q4 ? Q4_K_BYTES : Q6_K_BYTES), row_bytes, q4, u);
+        const q8_block *a[KG_MR];
+#define KG_PASS(mr, m0)                                                             \
+        do {                                                                        \
+            for (int j = 0; j < mr; j++) a[j] = xq + (long)((m0) + j) * blocks + b; \
+            if (q4) kg_rows(u, 1, a, mr, out + 16L * (m0));                          \
+            else kg_rows(u, 0, a, mr, out + 16L * (m0));                             \
+        } while (0)
+        for (int m0 = 0; m0 < full; m0 += KG_MR) KG_PASS(KG_MR, m0);
+        switch (M - full) {
+            case 1: KG_PASS(1, full); break;
+            case 2: KG_PASS(2, full); break;
+            case 3: KG_PASS(3, full); break;
+            default: break;
+        }
+#undef KG_PASS
+    }
+    for (int m = 0; m < M; m++) store_outputs(out + 16L * m, KG_ROWS, bias, y, (long)m * y_stride, n0, f32);
+}
+#endif
 
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32) {
     if (M < 1 || M > 512 || K % QK || N % KQ_NR || !kquant_format(format)) return -1;
     const int blocks = K / QK, q4 = format == FMT_Q4_K;
     const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
-    q8_block *xq = scratch_reserve(s, SCRATCH_LINEAR, sizeof(q8_block) * (size_t)M * blocks);
-    if (!xq) return -2;
+    const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int gemm = M >= KG_MIN_M && N % KG_ROWS == 0;
+    const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
+#else
+    const int gemm = 0;
+    const size_t own = 0;
+#endif
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + (gemm ? own * threads + 64 : 0));
+    if (!memory) return -2;
+    q8_block *xq = (q8_block *)memory;
     const int full = M / KQ_MR * KQ_MR;
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quantize_row(x, f32, (long)m * x_stride, K, q4, xq + (long)m * blocks);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (gemm) {
+            char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
+            #pragma omp for schedule(static) nowait
+            for (int t = 0; t < N / KG_ROWS; t++)
+                kg_tile(w, row_bytes, blocks, q4, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
+                        bias, y, y_stride, f32);
+        } else
+#endif
         #pragma omp for schedule(static) nowait
         for (int t = 0; t < N / KQ_NR; t++) {
             const int n0 = t * KQ_NR;
