@@ -55,10 +55,13 @@ def llama_cpp_order(n_rows: int, heads: int) -> np.ndarray:
 
 def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FORMAT, hidden: int = HIDDEN,
                inter: int = INTER, formats: list[dict[str, int]] = FORMATS,
-               chat_template: str | None = None) -> dict[str, np.ndarray]:
-    """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32); returns its
-    float32 weights by transformers' names as the file stores them (linears dequantized by gguf itself, Q and
-    K back in the model's row order)."""
+               chat_template: str | None = None, embedding_format: int | None = None,
+               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32; token_embd
+    in `embedding_format`, None: F32); returns its float32 weights by transformers' names as the file stores
+    them (linears dequantized by gguf itself, Q and K back in the model's row order). `rope_freqs` (head_dim / 2
+    float32 divisors of the rotary frequencies, Llama 3's RoPE scaling as llama.cpp reads it) is written as the
+    F32 tensor rope_freqs.weight, which has no transformers name (not in the returned weights)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -102,7 +105,8 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
         weights[hf_name] = dequantize(blocks, GGMLQuantizationType(format))
         writer.add_tensor(name, blocks if rows is None else blocks[rows], raw_dtype=GGMLQuantizationType(format))
 
-    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32))
+    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32),
+        embedding_format)
     for i, layer in enumerate(formats):
         for name, format in layer.items():
             # 0.08: sharp attention and peaked logits, so that a wrong row order or head shows in them
@@ -114,6 +118,8 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
                 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
     add("output_norm.weight", "model.norm.weight", 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
     add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32) * 0.08, output_format)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
