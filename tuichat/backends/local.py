@@ -31,7 +31,7 @@ from tuichat.backends.protocol import (
     TuichatError,
     Usage,
 )
-from tuichat.engine.heap import settle_heap
+from tuichat.engine.heap import process_memory, settle_heap
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
 # Conversations whose last turn's ids are kept for the next: every tab, and a server's recent requests (each
@@ -56,6 +56,8 @@ class _Loaded:
     dtype: str
     last_used: float
     sampling: dict  # what the model's generation config recommends (read once, at load)
+    load_s: float  # its load, from the weights' first byte to the engine ready
+    mapped_bytes: int  # of its weights read in place from the file
     leases: int = 0  # streams using the engine now: an engine with leases is never evicted
 
 
@@ -162,6 +164,7 @@ class LocalBackend:
             if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
             dtype = loader.resolve_dtype(self.options.dtype, device, family)
+            started = time.monotonic()  # after the kernels' build (resolve_dtype): a once-per-machine cost
             in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
@@ -178,7 +181,8 @@ class LocalBackend:
             with self._lease_lock:
                 self._loaded[resolved.name] = _Loaded(
                     engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
-                    recommended_sampling(weights),
+                    recommended_sampling(weights), time.monotonic() - started,
+                    getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0),
                 )
             settle_heap()  # the load's transient buffers (packing, conversion) back to the system
             return resolved.name
@@ -330,6 +334,7 @@ class LocalBackend:
         if loaded is None:
             return EngineStats(model=model or self.default_model, tp=self.options.tp)
         engine = loaded.engine
+        rss, peak = process_memory()
         return EngineStats(
             model=engine.name,
             device=loaded.device,
@@ -352,6 +357,11 @@ class LocalBackend:
             draft_tokens=engine.draft_tokens,
             accepted_tokens=engine.accepted_tokens,
             tokens_per_step=engine.sampled_tokens / engine.sampled_steps if engine.sampled_steps else 0.0,
+            rss_bytes=rss,
+            peak_rss_bytes=peak,
+            load_s=loaded.load_s,
+            mapped_bytes=loaded.mapped_bytes,
+            kv_bytes=engine.kv_bytes,
         )
 
     def sampling_defaults(self, model: str) -> dict:

@@ -96,6 +96,11 @@ class EngineStats:
     draft_tokens: int = 0  # since start: tokens proposed, and those the model agreed with
     accepted_tokens: int = 0
     tokens_per_step: float = 0.0  # tokens a sequence got per step it was sampled in, since start
+    rss_bytes: int = 0  # the serving process's resident memory now, and its most so far
+    peak_rss_bytes: int = 0
+    load_s: float = 0.0  # how long the model took to load, kernels' build excluded
+    mapped_bytes: int = 0  # weights read in place from the model's file (a GGUF's map: no copy)
+    kv_bytes: int = 0  # the KV cache's pool
 
     @property
     def kv_usage(self) -> float:

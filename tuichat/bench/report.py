@@ -112,6 +112,11 @@ def _header(result: dict[str, Any]) -> list[RenderableType]:
         if f:
             lines.append(Text(f"  {who} {f['weight_bytes'] / 1e6:,.0f} MB ({f['weights']}) = "
                               f"{_fmt(f['decode_step_ms'], 2)} ms a step ({_fmt(f['decode_tokens_per_s'], 0)} tok/s)"))
+    for who, m in (("tuichat serve", result.get("memory", {}).get("tuichat_serve")),
+                   ("llama-server", result.get("memory", {}).get("llama_server"))):
+        if m:  # each a server process of its own on the same file: its start to ready, its memory at the end
+            rss = f" · RSS {m['rss_mb']:,.0f} MB, peak {m['peak_rss_mb']:,.0f} MB" if "rss_mb" in m else ""
+            lines.append(Text(f"  {who}: ready {m['ready_s']:.1f} s after start{rss}"))
     lines.append(Text("ratios are tuichat ÷ the row: above 1 is better for tok/s, below 1 is better for TTFT; times in ms"))
     return lines
 

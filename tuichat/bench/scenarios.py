@@ -536,6 +536,8 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
                     result["machine"].update(run.latest.kernels)
         result["floor"]["tuichat"] = run.tuichat_floor()
         result["weights"] = run.latest.weights if run.latest is not None else None  # tuichat's weight format
+        result["memory"] = {name: {"ready_s": peer.ready_s, **(peer.memory() or {})}
+                            for name, peer in (("llama_server", run.llama), ("tuichat_serve", run.serve)) if peer is not None}
         if run.llama is not None:
             result["versions"]["llama_server"] = run.llama.build
             result["llama_server"] = run.llama.command

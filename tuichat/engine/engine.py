@@ -6,6 +6,7 @@ to asyncio). Tests and benchmarks can also drive `step()` directly, with no thre
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -30,6 +31,18 @@ from tuichat.engine.types import PromptTooLong, SamplingParams, ServingOptions, 
 
 SPECULATE_MODES = get_args(SpeculateMode)
 IDLE_EXIT_S = 1.0  # an engine thread without work ends after this long (see Engine.start)
+# The CPU's KV pool: this many tokens (8 tabs of 2k, or one conversation of 16k) unless KV_MEMORY_SHARE of the
+# machine's memory holds fewer. The pool is allocated (and touched) at load: RSS stays flat after.
+KV_TOKENS = 16384
+KV_MEMORY_SHARE = 0.2
+
+
+def _memory_total() -> int:
+    """The machine's memory in bytes (a large number where it cannot be told)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
 
 
 @dataclass(frozen=True)
@@ -149,8 +162,15 @@ class Engine:
         elif self.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.4)
         else:
-            budget = 512 * 2**20
+            # Tokens, not bytes: KV_TOKENS of this model (a 1B Llama's are 16 times a 135M's per token), within a
+            # share of the machine's memory and no more than its sequences can fill.
+            tokens = min(KV_TOKENS, self.max_model_len * self.config.max_num_seqs)
+            budget = min(tokens * per_block // self.config.block_size, int(_memory_total() * KV_MEMORY_SHARE))
         return max(1, budget // per_block)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for cache in (self.kv.k, self.kv.v) for t in cache)
 
     @property
     def capacity_tokens(self) -> int:

@@ -74,6 +74,8 @@ class GGUFFile:
                 kind, offset = self._unpack("<IQ")
                 infos.append((name, tuple(reversed(shape)), kind, offset))
             alignment = int(self.fields.get("general.alignment", 32))
+            if alignment <= 0:
+                raise ValueError(f"alignment {alignment}")
             self.data_offset = -(-self._at // alignment) * alignment
         except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
             self.close()

@@ -27,6 +27,21 @@ def release_free_memory() -> None:
         trim(0)
 
 
+def process_memory() -> tuple[int, int]:
+    """(resident bytes now, the most resident so far) of this process: Linux's VmRSS and VmHWM, elsewhere
+    getrusage's peak for both. Pages of a mapped GGUF that were read count, as they do in llama.cpp's RSS."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return peak, peak
+
+
 def settle_heap() -> None:
     """After a model comes or goes. The model's, torch's and transformers' objects live as long as the
     model; left in the collector's care, every full collection walks them all with the GIL held, a few times

@@ -126,7 +126,7 @@ class ServingOptions:
     """How the engine serves a model, as a user sets it (tuichat.backends.protocol.EngineOptions adds where and in which
     dtype it loads; the engine's EngineConfig adds what only the engine and its tests set)."""
 
-    kv_cache_mb: int | None = None  # None: 512 MiB on CPU, 40 % of free GPU memory on CUDA
+    kv_cache_mb: int | None = None  # None: 16k tokens' worth on CPU (at most 20 % of RAM), 40 % of free GPU memory on CUDA
     batching: Literal["continuous", "static", "off"] = "continuous"
     prefix_cache: bool = True
     max_batched_tokens: int | None = None  # per-step token budget; None: 512 on CPU (a chunk ~0.5 s), 8192 on CUDA

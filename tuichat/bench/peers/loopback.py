@@ -26,13 +26,25 @@ class LoopbackServer:
             self.port = probe.getsockname()[1]
         self.command = command(self.port)
         self.log = tempfile.TemporaryFile()  # not a pipe: an unread pipe fills and stalls the server
+        started = time.monotonic()
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
                                         stderr=subprocess.STDOUT, env=env or dict(os.environ))
         try:
             self._wait_ready(ready_timeout_s)
+            self.ready_s = time.monotonic() - started  # from the process's start to its first healthy answer
         except BaseException:
             self.close()
             raise
+
+    def memory(self) -> dict[str, float] | None:
+        """The server process's resident memory now and its most so far, in MB (Linux's VmRSS and VmHWM: the pages
+        of a mapped model file it read count), or None where /proc does not tell."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
+            return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024}
+        except (OSError, KeyError, ValueError):
+            return None
 
     def _log_tail(self, lines: int = 5) -> str:
         self.log.seek(0)
