@@ -58,13 +58,14 @@ class Tiny:
     metadata: Path  # this file's own tokenizer/config cache folder
 
 
-def reference_model(weights: dict[str, np.ndarray], hidden: int, inter: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def reference_model(weights: dict[str, np.ndarray], hidden: int, inter: int, arch: str = "llama") -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=hidden // HEADS,
-                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-    reference = LlamaForCausalLM(config).eval()
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=hidden // HEADS,
+                          max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    reference = model_class(config).eval()
     reference.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in weights.items()})
     return reference
 
@@ -73,7 +74,8 @@ def write_tiny(folder: Path, hidden: int = HIDDEN, inter: int = INTER, formats=F
                output_format: int = OUTPUT_FORMAT, **options) -> Tiny:
     path = folder / "tiny.gguf"
     weights = write_gguf(path, hidden=hidden, inter=inter, formats=formats, output_format=output_format, **options)
-    return Tiny(path, hidden, formats, output_format, weights, reference_model(weights, hidden, inter), folder / "meta")
+    reference = reference_model(weights, hidden, inter, options.get("arch", "llama"))
+    return Tiny(path, hidden, formats, output_format, weights, reference, folder / "meta")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,12 @@ def plain(tmp_path_factory) -> Tiny:
 def kquant(tmp_path_factory) -> Tiny:
     """Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 linears (a Q4_K_M file's mix), a Q6_K lm_head."""
     return write_tiny(tmp_path_factory.mktemp("kquant"), HIDDEN_K, INTER_K, FORMATS_K, OUTPUT_FORMAT_K)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Tiny:
+    """A Qwen3 file (q/k norms, Q and K unpermuted) of the K-quant mix: Qwen3's layers in C over its blocks."""
+    return write_tiny(tmp_path_factory.mktemp("qwen3"), HIDDEN_K, INTER_K, FORMATS_K, OUTPUT_FORMAT_K, arch="qwen3")
 
 
 def load(tiny: Tiny, kernel, cache: Path | None = None):
@@ -144,23 +152,25 @@ def map_range(model) -> tuple[int, int]:
 # orders. The K-quants read in place quantize their inputs per 256 (llama.cpp's Q8_K: one scale for 8x the
 # inputs, so a coarser step), measured at most 2.2 % (mean 1.6 %): bound 5 % (mean 3 %). A wrong row order,
 # block layout, scale or rotary frequency is tens of % off.
-BOUNDS = {"plain": (0.03, 0.015), "kquant": (0.05, 0.03)}
+BOUNDS = {"plain": (0.03, 0.015), "kquant": (0.05, 0.03), "qwen3": (0.05, 0.03)}
 
 
-@pytest.mark.parametrize("which", ["plain", "kquant"])
+@pytest.mark.parametrize("which", ["plain", "kquant", "qwen3"])
 def test_both_format_sets_are_served_in_c_as_close_to_float32_as_their_arithmetic_allows(kernel, which, request):
     from gguf import GGMLQuantizationType
     from transformers import AutoModelForCausalLM
 
     tiny: Tiny = request.getfixturevalue(which)
     sequences, want = float32_continuations(tiny.reference)
-    # The reference is transformers' own reading of the file (config from its metadata, Q/K rows un-permuted).
-    theirs = AutoModelForCausalLM.from_pretrained(str(tiny.path.parent), gguf_file=tiny.path.name,
-                                                  dtype=torch.float32).eval()
-    with torch.inference_mode():
-        for sequence in sequences:
-            ids = torch.tensor([sequence])
-            assert torch.allclose(theirs(ids).logits, tiny.reference(ids).logits, atol=1e-4, rtol=1e-4)
+    # The reference is transformers' own reading of the file (config from its metadata, Q/K rows un-permuted);
+    # not the Qwen3 one: transformers reads no head size from a GGUF (its Qwen3 default, 128, is the real models').
+    if which != "qwen3":
+        theirs = AutoModelForCausalLM.from_pretrained(str(tiny.path.parent), gguf_file=tiny.path.name,
+                                                      dtype=torch.float32).eval()
+        with torch.inference_mode():
+            for sequence in sequences:
+                ids = torch.tensor([sequence])
+                assert torch.allclose(theirs(ids).logits, tiny.reference(ids).logits, atol=1e-4, rtol=1e-4)
 
     served = engine(tiny, kernel, prefix_cache=False)
     assert served.layers == "C"
@@ -306,9 +316,11 @@ def test_loader_serves_in_place_only_a_bf16_cpu_auto_load(kernel, kquant, tmp_pa
     assert not any(p.suffix == ".safetensors" for p in files_under(tmp_path / "cache"))
 
 
-def test_k_quant_replies_do_not_depend_on_batching_chunking_or_caching(kernel, kquant):
+@pytest.mark.parametrize("which", ["kquant", "qwen3"])
+def test_k_quant_replies_do_not_depend_on_batching_chunking_or_caching(kernel, which, request):
     """The mapped engine against itself, token for token (the float32 test above is the correctness reference)."""
-    replies_independent_of_batching(lambda **config: engine(kquant, kernel, **config))
+    tiny = request.getfixturevalue(which)
+    replies_independent_of_batching(lambda **config: engine(tiny, kernel, **config))
 
 
 def test_the_header_reads_as_ggufs_own_reader_reads_it(plain, tmp_path):

@@ -56,18 +56,20 @@ def llama_cpp_order(n_rows: int, heads: int) -> np.ndarray:
 def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FORMAT, hidden: int = HIDDEN,
                inter: int = INTER, formats: list[dict[str, int]] = FORMATS,
                chat_template: str | None = None, embedding_format: int | None = None,
-               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+               rope_freqs: np.ndarray | None = None, arch: str = "llama") -> dict[str, np.ndarray]:
     """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32; token_embd
     in `embedding_format`, None: F32); returns its float32 weights by transformers' names as the file stores
     them (linears dequantized by gguf itself, Q and K back in the model's row order). `rope_freqs` (head_dim / 2
     float32 divisors of the rotary frequencies, Llama 3's RoPE scaling as llama.cpp reads it) is written as the
-    F32 tensor rope_freqs.weight, which has no transformers name (not in the returned weights)."""
+    F32 tensor rope_freqs.weight, which has no transformers name (not in the returned weights). `arch` "qwen3":
+    a Qwen3 file instead (Q and K in the model's own order, as its converter leaves them; each layer's q_norm and
+    k_norm F32 tensors over a head's dim)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_context_length(2048)
     writer.add_embedding_length(hidden)
@@ -76,6 +78,9 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(hidden // HEADS)
+    if arch == "qwen3":
+        writer.add_key_length(hidden // HEADS)
+        writer.add_value_length(hidden // HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
@@ -112,7 +117,12 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
             # 0.08: sharp attention and peaked logits, so that a wrong row order or head shows in them
             value = rng.standard_normal(shapes(hidden, inter)[name], dtype=np.float32) * 0.08
             rows = {"attn_q": llama_cpp_order(len(value), HEADS), "attn_k": llama_cpp_order(len(value), KV_HEADS)}.get(name)
-            add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{HF_NAMES[name]}.weight", value, format, rows)
+            add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{HF_NAMES[name]}.weight", value, format,
+                rows if arch == "llama" else None)
+        if arch == "qwen3":
+            for name in ("q_norm", "k_norm"):
+                add(f"blk.{i}.attn_{name}.weight", f"model.layers.{i}.self_attn.{name}.weight",
+                    1 + 0.2 * rng.standard_normal(hidden // HEADS, dtype=np.float32))
         for name, hf_name in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf_name}.weight",
                 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))

@@ -232,6 +232,11 @@ def config_and_tokenizer(file: GGUFFile, cache: Path | None, with_tokenizer: boo
             tokenizer = AutoTokenizer.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
         except (OSError, ValueError, KeyError) as exc:  # an architecture or tokenizer transformers does not know
             raise TuichatError(f"Could not load model '{file.path.name}': {exc}") from exc
+    # transformers' mapping leaves out the heads' size: its config's default (Qwen3's 128) or hidden / heads
+    # would stand, where the file says.
+    key_length = file.fields.get(f"{file.architecture}.attention.key_length")
+    if key_length and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length)
     if folder is not None:
         temporary = folder.with_name(folder.name + f".tmp-{os.getpid()}")
         try:

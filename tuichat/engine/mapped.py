@@ -29,7 +29,7 @@ from tuichat.engine.quant import PackedWeight
 from tuichat.engine.types import TuichatError
 
 # GGUF architectures whose layers decoder.c runs (native.SUPPORTED_MODEL_TYPES), by the model_type they load as.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = ("llama", "mistral")  # convert_hf_to_gguf interleaves these architectures' Q and K rows
 
 

@@ -143,8 +143,9 @@ class CpuKernels:
 
 
 # Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
-# RMSNorm, SiLU-gated MLP, residual. Qwen3 (q/k norms) or Gemma (scaled embeddings, other norms) are not.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# RMSNorm, SiLU-gated MLP, residual; and Qwen3, the same with each query and key head RMS-normed before RoPE
+# (in C with a GGUF's blocks only: the fp32 steps). Gemma (scaled embeddings, other norms, GELU) is not.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def family_reason(config) -> str | None:
@@ -217,7 +218,7 @@ _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 class LayerWeights(ctypes.Structure):
     """decoder.c's layer_weights (kernels.h): one layer's weights, biases, norms and cache by address."""
 
-    _fields_ = [(name, _P) for name in ("attn_norm", "qkv_w", "k_w", "v_w", "qkv_b", "o_w", "o_b", "mlp_norm",
+    _fields_ = [(name, _P) for name in ("attn_norm", "qkv_w", "k_w", "v_w", "q_norm", "k_norm", "qkv_b", "o_w", "o_b", "mlp_norm",
                                         "gate_up_w", "up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + [
         (name, _I32) for name in ("qkv_fmt", "k_fmt", "v_fmt", "o_fmt", "gate_up_fmt", "up_fmt", "down_fmt")]
 
@@ -225,7 +226,7 @@ class LayerWeights(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     """decoder.c's step_args (kernels.h): what decoder_step reads."""
 
-    VERSION = 1  # kernels.h's STEP_ARGS_VERSION
+    VERSION = 2  # kernels.h's STEP_ARGS_VERSION
     _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
         (name, _P) for name in ("hidden", "ints", "tables", "embedding", "cos", "sin", "sample_rows", "final_weight",
                                 "normed", "head", "head_bias", "logits", "layers")] + [
@@ -374,6 +375,18 @@ class NativeDecoder:
                 norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]
                 self._norms += norms
             norm_dtype = torch.float32 if packed else torch.bfloat16
+            head_norms = {}  # Qwen3's q_norm and k_norm: fp32, over a head's dim
+            for name in ("q_norm", "k_norm"):
+                module = getattr(attn, name, None)
+                if module is None:
+                    continue
+                if not packed:
+                    raise ValueError("Qwen3's q/k norms run in C only over a GGUF's blocks (its fp32 steps)")
+                if module.variance_epsilon != self.eps:
+                    raise ValueError("decoder.c takes one norm epsilon for all norms")
+                head_norms[name] = fp32(f"model.layers.{i}.self_attn.{name}.weight", module.weight)
+                _check(head_norms[name], (s.head_dim,), f"layer {i}", torch.float32)
+                self._norms.append(head_norms[name])
             for tensor, shape, dtype in [
                 (norms[0], (s.hidden,), norm_dtype), (qkv_b, (qkv,), torch.bfloat16),
                 (attn.o_proj.bias, (s.hidden,), torch.bfloat16), (norms[1], (s.hidden,), norm_dtype),
@@ -388,7 +401,7 @@ class NativeDecoder:
                        "up_w": gate_up_parts[1] if len(gate_up_parts) > 1 else None, "down_w": down_w}
             tensors = {"attn_norm": norms[0], "mlp_norm": norms[1], "qkv_b": qkv_b,
                        "o_b": attn.o_proj.bias, "gate_up_b": gate_up_b, "down_b": mlp.down_proj.bias,
-                       "k_cache": kv.k[i], "v_cache": kv.v[i]}
+                       "k_cache": kv.k[i], "v_cache": kv.v[i], **head_norms}
             table[i] = LayerWeights(  # fields left out (a bias, a part) stay NULL
                 **{name: w.data.data_ptr() for name, w in linears.items() if w is not None},
                 **{name.removesuffix("_w") + "_fmt": w.format for name, w in linears.items() if w is not None},

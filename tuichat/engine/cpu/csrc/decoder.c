@@ -367,6 +367,8 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             task_row[task] = t, task_part[task] = parts > 1 ? i : 0, task_head[task] = parts > 1 ? -1 : i;
     }
     int status;
+    for (int l = 0; l < num_layers; l++)
+        if (!f32 && (layers[l].q_norm || layers[l].k_norm)) return -1;  /* q/k norms: fp32 steps only */
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *p = layers + l;
         uint16_t *k_cache = p->k_cache, *v_cache = p->v_cache;
@@ -384,6 +386,8 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             const long at = (long)(by_position ? pos[t] : t) * dim;  /* its cos/sin */
             if (f32) {
                 float *row = (float *)qkv + (long)t * qkv_width;
+                if (p->q_norm) rms_norm_f32(row, p->q_norm, row, heads, dim, eps);  /* in place: a head is a "row" */
+                if (p->k_norm) rms_norm_f32(row + (long)heads * dim, p->k_norm, row + (long)heads * dim, kv_heads, dim, eps);
                 for (int h = 0; h < heads + kv_heads; h++)
                     rotate_f32(row + (long)h * dim, (const float *)cos + at, (const float *)sin + at, dim);
                 for (long i = 0; i < kv_width; i += LANES) {
@@ -512,7 +516,7 @@ typedef struct { const char *name; size_t at; } field;
 #define AT(type, f) {#f, offsetof(type, f)}
 static const field layer_fields[] = {
     AT(layer_weights, attn_norm), AT(layer_weights, qkv_w), AT(layer_weights, k_w), AT(layer_weights, v_w),
-    AT(layer_weights, qkv_b), AT(layer_weights, o_w), AT(layer_weights, o_b), AT(layer_weights, mlp_norm),
+    AT(layer_weights, q_norm), AT(layer_weights, k_norm), AT(layer_weights, qkv_b), AT(layer_weights, o_w), AT(layer_weights, o_b), AT(layer_weights, mlp_norm),
     AT(layer_weights, gate_up_w), AT(layer_weights, up_w), AT(layer_weights, gate_up_b), AT(layer_weights, down_w),
     AT(layer_weights, down_b), AT(layer_weights, k_cache), AT(layer_weights, v_cache), AT(layer_weights, qkv_fmt),
     AT(layer_weights, k_fmt), AT(layer_weights, v_fmt), AT(layer_weights, o_fmt), AT(layer_weights, gate_up_fmt),

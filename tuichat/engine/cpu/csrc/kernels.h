@@ -204,13 +204,15 @@ int sample_row(const float *logits, int n, const int64_t *reply, int replied, fl
 /* decoder.c: a layer's weights and cache, and a step's arguments, as structs native.py mirrors with ctypes.
  * kernel_abi() spells out both layouts (field names and offsets), which native.py compares with its own before
  * the first call, and decoder_step refuses a step_args whose size or version is not this build's. */
-#define STEP_ARGS_VERSION 1
+#define STEP_ARGS_VERSION 2
 
 /* A layer: q/k/v and gate/up are one linear each (qkv_w, gate_up_w), or, where their parts' weights differ in
  * format (a K-quant mix gives v more bits than q and k), parts: qkv_w then q alone, with k_w and v_w; gate_up_w
- * gate alone, with up_w. The fused biases serve either way; a missing bias or part is NULL. */
+ * gate alone, with up_w. The fused biases serve either way; a missing bias or part is NULL. q_norm and k_norm
+ * (Qwen3; fp32 steps only): each query and key head RMS-normed over its dim with these weights before RoPE. */
 typedef struct {
     const void *attn_norm, *qkv_w, *k_w, *v_w;
+    const float *q_norm, *k_norm;
     const uint16_t *qkv_b;
     const void *o_w;
     const uint16_t *o_b;
