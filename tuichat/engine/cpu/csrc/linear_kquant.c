@@ -12,12 +12,12 @@
  * two exact int32 sums, S (the sub-blocks' dot products times their scales) and, for Q4_K, Ms (the minimums
  * times the inputs' sums), then acc = fma(S, d * dx, acc) and acc = fma(Ms, -dmin * dx, acc) in fp32, block
  * after block. Any way of getting the integers gives the same output, so two kernels share the work:
- * - rows (few input rows: decodes): a tile is 4 weight rows, each read whole before the next (one stream per
+ * - rows (up to 4 input rows: decodes): a tile is 4 weight rows, each read whole before the next (one stream per
  *   thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
  *   their bytes, so that every weight vector meets its inputs with one load.
- * - a GEMM (many input rows, with 512-bit VNNI): 16 weight rows are unpacked per super-block into one vector
- *   per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction, the
- *   16 rows' fp32 sums in the lanes.
+ * - a GEMM (5 or more input rows, with 512-bit VNNI): 16 weight rows are unpacked per super-block (loads and
+ *   transposes) into one vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64
+ *   products an instruction, the 16 rows' fp32 sums in the lanes.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
@@ -266,7 +266,8 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
-#define KG_MIN_M 16 /* input rows from which unpacking (gathers, scales) costs less than it saves */
+#define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
+#define KG_MIN_M 5 /* input rows from which the GEMM, unpacking included, beats the row tiles (gguf_linears.py) */
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
  * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
@@ -278,57 +279,86 @@ typedef struct {
     __m512 d, ndmin;
 } kg_block;
 
+/* 32 bytes at `at` of each of 16 rows (row_bytes apart) as 8 vectors: vector v, lane r = the row's dword v. Two
+ * 8 x 8 transposes side by side (rows 0-7 in the low halves, 8-15 in the high), in 32 shuffles. */
+static inline void transpose_16x8(const uint8_t *at, long row_bytes, __m512i out[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + i * row_bytes))),
+                                  _mm256_loadu_si256((const __m256i *)(at + (i + 8) * row_bytes)), 1);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+            u[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+        }
+    /* u[e] (rows 0-3) and u[4 + e] (rows 4-7): 128-bit lanes hold dword e, then e + 4, of rows 0-3 or 4-7, then
+     * the same of rows 8-11 or 12-15 */
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int e = 0; e < 4; e++) {
+        out[e] = _mm512_permutex2var_epi64(u[e], lo, u[4 + e]);
+        out[e + 4] = _mm512_permutex2var_epi64(u[e], hi, u[4 + e]);
+    }
+}
+
+static inline __m512i byte_of(__m512i v, int k) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff)); }
+
 static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)row_bytes));
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
-    int32_t sc[16][KG_ROWS], mn[4][KG_ROWS];
-    float d[KG_ROWS], ndmin[KG_ROWS];
-    for (int r = 0; r < KG_ROWS; r++) {
-        const uint8_t *blk = first + r * row_bytes;
-        if (q4) {
-            uint16_t h[2];
-            memcpy(h, blk, 4);
-            d[r] = half_to_float(h[0]);
-            ndmin[r] = -half_to_float(h[1]);
-            uint8_t s8[8], m8[8];
-            q4_k_scales(blk + 4, s8, m8);
-            for (int j = 0; j < 8; j++) sc[j][r] = s8[j];
-            for (int k = 0; k < 4; k++) mn[k][r] = m8[2 * k] | m8[2 * k + 1] << 16;
-        } else {
-            uint16_t h;
-            memcpy(&h, blk + 208, 2);
-            d[r] = half_to_float(h);
-            ndmin[r] = 0.0f;
-            for (int g = 0; g < 16; g++) sc[g][r] = (int8_t)blk[192 + g];
-        }
-    }
-    for (int j = 0; j < 16; j++) u->sc[j] = _mm512_loadu_si512(sc[j]);
-    for (int k = 0; k < 4; k++) u->mn[k] = _mm512_loadu_si512(mn[k]);
-    u->d = _mm512_loadu_ps(d);
-    u->ndmin = _mm512_loadu_ps(ndmin);
+    __m512i v[8];
     if (q4) {
-        for (int c = 0; c < 4; c++)
-            for (int v = 0; v < 8; v++) {
-                const __m512i g = _mm512_i32gather_epi32(rows, first + 16 + 32 * c + 4 * v, 1);
-                u->w[2 * c][v] = _mm512_and_si512(g, nib);
-                u->w[2 * c + 1][v] = _mm512_and_si512(_mm512_srli_epi32(g, 4), nib);
+        /* the header, a lane per row: d | dmin << 16, then the 12 bytes of scales and minimums (ggml's
+         * get_scale_min_k4, 16 rows at once) */
+        const __m512i head = _mm512_i32gather_epi32(rows, first, 1), q0 = _mm512_i32gather_epi32(rows, first + 4, 1);
+        const __m512i q1 = _mm512_i32gather_epi32(rows, first + 8, 1), q2 = _mm512_i32gather_epi32(rows, first + 12, 1);
+        u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        u->ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
+        const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+        __m512i m[8];
+        for (int k = 0; k < 4; k++) {
+            u->sc[k] = _mm512_and_si512(byte_of(q0, k), six);
+            m[k] = _mm512_and_si512(byte_of(q1, k), six);
+            u->sc[k + 4] = _mm512_or_si512(_mm512_and_si512(byte_of(q2, k), four),
+                                           _mm512_slli_epi32(_mm512_srli_epi32(byte_of(q0, k), 6), 4));
+            m[k + 4] = _mm512_or_si512(_mm512_srli_epi32(byte_of(q2, k), 4),
+                                       _mm512_slli_epi32(_mm512_srli_epi32(byte_of(q1, k), 6), 4));
+        }
+        for (int k = 0; k < 4; k++) u->mn[k] = _mm512_or_si512(m[2 * k], _mm512_slli_epi32(m[2 * k + 1], 16));
+        for (int c = 0; c < 4; c++) {
+            transpose_16x8(first + 16 + 32 * c, row_bytes, v);
+            for (int j = 0; j < 8; j++) {
+                u->w[2 * c][j] = _mm512_and_si512(v[j], nib);
+                u->w[2 * c + 1][j] = _mm512_and_si512(_mm512_srli_epi32(v[j], 4), nib);
             }
+        }
         return;
     }
-    for (int h = 0; h < 2; h++)
-        for (int v = 0; v < 8; v++) {  /* weights 128h + 32t + 4v..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
-            const __m512i hi = _mm512_i32gather_epi32(rows, first + 128 + 32 * h + 4 * v, 1);
-            for (int half = 0; half < 2; half++) {
-                const __m512i lo = _mm512_i32gather_epi32(rows, first + 64 * h + 32 * half + 4 * v, 1);
-                for (int shift = 0; shift < 2; shift++) {
-                    const int t = 2 * shift + half;
-                    u->w[4 * h + t][v] = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi32(lo, 4 * shift), nib),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2 * t), two), 4));
-                }
+    /* Q6_K: the int8 scales (four dwords), d (the high half of the dword at 206: no read past the row) */
+    for (int k = 0; k < 4; k++) {
+        const __m512i four = _mm512_i32gather_epi32(rows, first + 192 + 4 * k, 1);
+        for (int b = 0; b < 4; b++) u->sc[4 * k + b] = _mm512_srai_epi32(_mm512_slli_epi32(four, 24 - 8 * b), 24);
+    }
+    u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, first + 206, 1), 16)));
+    u->ndmin = _mm512_setzero_ps();
+    for (int h = 0; h < 2; h++) {  /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
+        __m512i hi[8];
+        transpose_16x8(first + 128 + 32 * h, row_bytes, hi);
+        for (int half = 0; half < 2; half++) {
+            transpose_16x8(first + 64 * h + 32 * half, row_bytes, v);
+            for (int shift = 0; shift < 2; shift++) {
+                const int t = 2 * shift + half;
+                for (int j = 0; j < 8; j++)
+                    u->w[4 * h + t][j] = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi32(v[j], 4 * shift), nib),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi[j], 2 * t), two), 4));
             }
         }
+    }
 }
 
 static inline int32_t x_four(const int8_t *q) {
@@ -385,7 +415,15 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
     const int full = M / KG_MR * KG_MR;
     for (int b = 0; b < blocks; b++) {
-        kg_unpack(w + n0 * row_bytes + (long)b * (q4 ? Q4_K_BYTES : Q6_K_BYTES), row_bytes, q4, u);
+        const uint8_t *first = w + n0 * row_bytes + (long)b * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+        /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
+         * super-block KG_AHEAD blocks on (all its lines: 144 or 210 bytes from any offset span at most 4) */
+        if (b + KG_AHEAD < blocks)
+            for (int r = 0; r < KG_ROWS; r++)
+                for (int line = 0; line < (q4 ? Q4_K_BYTES : Q6_K_BYTES) + 64; line += 64)
+                    _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * (q4 ? Q4_K_BYTES : Q6_K_BYTES) + line,
+                                 _MM_HINT_T0);
+        kg_unpack(first, row_bytes, q4, u);
         const q8_block *a[KG_MR];
 #define KG_PASS(mr, m0)                                                             \
         do {                                                                        \
