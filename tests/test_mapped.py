@@ -297,6 +297,32 @@ def test_a_backend_serves_the_file_without_a_converted_copy(kernel, kquant, tmp_
     assert tokenizer.decode(theirs.encode(text, add_special_tokens=False)) == text
 
 
+def test_a_reply_by_the_name_the_load_returned_streams_from_any_folder(kernel, tmp_path, monkeypatch):
+    """The TUI loads a GGUF by its path, then streams each reply by the name the load returned (the file's name),
+    from a folder where that name is no file: the loaded model answers, with no second resolve or load."""
+    from tuichat.backends.local import LocalBackend
+    from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
+
+    (tmp_path / "model").mkdir()
+    tiny = write_tiny(tmp_path / "model", HIDDEN_K, INTER_K, FORMATS_K, OUTPUT_FORMAT_K,
+                      chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend(EngineOptions(kv_cache_mb=16))
+
+    async def turn() -> list:
+        name = await backend.load(str(tiny.path))
+        assert name == tiny.path.name and not (tmp_path / name).exists()
+        return [event async for event in backend.stream("c", [Message("user", "hi")], SamplingParams(max_tokens=3),
+                                                        model=name)]
+
+    try:
+        events = asyncio.run(turn())
+    finally:
+        asyncio.run(backend.close())
+    assert not events[-1].error and events[-1].usage.completion_tokens == 3
+
+
 def test_loader_serves_in_place_only_a_bf16_cpu_auto_load(kernel, kquant, tmp_path, monkeypatch):
     """loader.in_place's gate: the mapped path for a llama GGUF on a CPU in bf16 with --quant auto; the
     converted way for float32, another quant mode, or a folder."""

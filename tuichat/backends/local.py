@@ -134,9 +134,12 @@ class LocalBackend:
 
     async def load(self, model: str | None = None, progress: ProgressCallback | None = None) -> str:
         spec = model or self.default_model
-        if (loaded := self._ready(self._names.get(spec))) is not None:  # every reply calls load: stay on the loop
+        # A spec seen before, or the name a load returned (a front end streams by that name: a GGUF's is its file
+        # name, which resolves only from its own folder). Every reply calls load: stay on the loop.
+        name = self._names.get(spec, spec)
+        if (loaded := self._ready(name)) is not None:
             loaded.last_used = time.monotonic()
-            return self._names[spec]
+            return name
         # On a thread that ends with the load, not the loop's executor: a live thread that ran torch keeps an
         # OpenMP pool, and the engine thread's must be the only one (see Engine.start).
         loader_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tuichat-load")
