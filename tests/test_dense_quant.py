@@ -252,7 +252,7 @@ def test_an_unwritable_cache_still_serves(kernels, dense, tmp_path):
 
 
 def test_where_the_c_layers_do_not_run_the_model_serves_in_its_dtype_and_says_why(dense, monkeypatch):
-    """A family decoder.c does not implement (qwen3), a float32 model, no CPU kernels: no quantization runs,
+    """A family decoder.c runs only over a GGUF's own blocks (qwen3), a float32 model, no CPU kernels: no quantization runs,
     the model serves as it loaded, and `weights` says why int8 was not applied."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -264,7 +264,7 @@ def test_where_the_c_layers_do_not_run_the_model_serves_in_its_dtype_and_says_wh
                                   head_dim=HEAD_DIM, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     qwen3 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     cases = [
-        (qwen3, "bfloat16 (int8 needs the C layers: qwen3 layers are not implemented in C)"),
+        (qwen3, "bfloat16 (int8 needs the C layers: qwen3 layers run in C only over a GGUF served from its file)"),
         (load(dense, torch.float32), "float32 (int8 needs the C layers: they run in bfloat16, not float32)"),
     ]
     for model, weights in cases:

@@ -156,7 +156,7 @@ def _why_no_c_layers(model, kernel, config: EngineConfig, device: torch.device, 
         return f"not with tensor parallelism (tp {config.tp})"
     if getattr(model, "hf_device_map", None):
         return "not with a device map"
-    return native.family_reason(model.config)
+    return native.family_reason(model.config, getattr(model, "tuichat_mapped", None) is not None)
 
 
 def _drop_bf16_copies(model, packed_head: bool, fp32_embedding: bool) -> None:

@@ -148,11 +148,14 @@ class CpuKernels:
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def family_reason(config) -> str | None:
-    """Why decoder.c can't run a model of this config's family (None: it may), before any weight is looked at."""
+def family_reason(config, mapped: bool = False) -> str | None:
+    """Why decoder.c can't run a model of this config's family (None: it may), before any weight is looked at.
+    `mapped`: a GGUF served from its file (mapped.py), whose steps all run in fp32."""
     config = text_config(config)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"{config.model_type} layers are not implemented in C"
+    if config.model_type == "qwen3" and not mapped:
+        return "qwen3 layers run in C only over a GGUF served from its file"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
     return None
@@ -164,7 +167,7 @@ def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttenti
     if kernel is None:
         return "no CPU kernels"
     shape = ModelShape.of(model.config)
-    if (why := family_reason(model.config)) is not None:
+    if (why := family_reason(model.config, getattr(model, "tuichat_mapped", None) is not None)) is not None:
         return why
     if any(layer.window is not None for layer in attention.layers):
         return "sliding-window layers"
