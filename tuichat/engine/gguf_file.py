@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -188,7 +189,7 @@ class _ReaderView:
 
     def __init__(self, file: GGUFFile) -> None:
         self.fields = {key: _Field(value, file.types[key]) for key, value in file.fields.items()}
-        self.tensors = [type("Tensor", (), {"name": name})() for name in file.tensors]
+        self.tensors = [SimpleNamespace(name=name) for name in file.tensors]
 
 
 @contextmanager
