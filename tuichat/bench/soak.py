@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from tuichat.backends.protocol import Message
 from tuichat.bench.peers.serve import ServePeer
+from tuichat.engine.heap import process_memory
 
 WORDS = ("river stone lantern orchard copper meadow whistle harbor velvet thunder maple signal quiet garden silver "
          "candle mirror forest pocket window marble basket feather canyon ribbon winter saddle").split()
@@ -24,10 +24,10 @@ WORDS = ("river stone lantern orchard copper meadow whistle harbor velvet thunde
 
 def rss_mb(pid: int) -> float:
     """A process's resident memory now (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    try:
+        return process_memory(pid)[0] / 2**20
+    except OSError:
+        raise RuntimeError(f"no VmRSS for process {pid}") from None
 
 
 def fresh_prompt(rng: random.Random, words: int) -> list[Message]:

@@ -40,22 +40,38 @@ class TensorInfo:
     nbytes: int
 
 
+_HEADERS: dict[tuple[str, int, int], tuple] = {}  # the last two headers read, by path, size and mtime
+
+
 class GGUFFile:
     """The header of `path` (fields: {key: value}, tensors: {name: TensorInfo}) and, on demand, its tensors as
     views of a read-only map of the file (`array`). Raises TuichatError for a file that is not GGUF or is cut
     short, naming the bytes it lacks."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = Path(path)
         self.fields: dict[str, object] = {}
         self.types: dict[str, tuple[int, ...]] = {}  # each field's GGUF value type (arrays: 9 and the item type)
         try:
             with open(self.path, "rb") as file:
                 self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+                stat = os.fstat(file.fileno())
         except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
             raise TuichatError(f"Could not read {self.path}: {exc}") from None
+        # A load opens its file a few times (its family, whether it is served in place, the load itself): the
+        # header (a third of a second for a 128k-token vocabulary) is read once per path, size and mtime.
+        key = (os.path.realpath(self.path), stat.st_size, stat.st_mtime_ns)
+        if key in _HEADERS:
+            self.fields, self.types, self.tensors, self.data_offset, self.header_bytes = _HEADERS[key]
+            return
+        self._parse()
+        _HEADERS[key] = self.fields, self.types, self.tensors, self.data_offset, self.header_bytes
+        while len(_HEADERS) > 2:
+            del _HEADERS[next(iter(_HEADERS))]
+
+    def _parse(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         buf = self._map
         size = len(buf)
         try:

@@ -27,14 +27,17 @@ def release_free_memory() -> None:
         trim(0)
 
 
-def process_memory() -> tuple[int, int]:
-    """(resident bytes now, the most resident so far) of this process: Linux's VmRSS and VmHWM, elsewhere
-    getrusage's peak for both. Pages of a mapped GGUF that were read count, as they do in llama.cpp's RSS."""
+def process_memory(pid: int | str = "self") -> tuple[int, int]:
+    """(resident bytes now, the most resident so far) of a process, this one by default: Linux's VmRSS and VmHWM.
+    Pages of a mapped GGUF that were read count, as they do in llama.cpp's RSS. Where /proc does not tell: for
+    this process getrusage's peak for both, for another OSError."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
         return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
+        if pid != "self":
+            raise OSError(f"no memory figures for process {pid}") from None
         import resource
         import sys
 

@@ -58,16 +58,8 @@ class MappedEmbedding(nn.Module):
 
     def rows(self, ids) -> torch.Tensor:
         """float32 [len(ids), hidden]."""
-        from gguf.quants import dequantize
-
-        picked = self.blocks[np.asarray(ids, dtype=np.int64)]
-        if self.qtype in (0, 1):  # F32, F16
-            values = picked.astype(np.float32)
-        elif self.qtype == 30:  # BF16, as raw bits
-            values = (picked.astype(np.uint32) << 16).view(np.float32)
-        else:
-            values = dequantize(picked, self.qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(picked), self.embedding_dim))
+        values = _float32(self.blocks[np.asarray(ids, dtype=np.int64)], self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(len(ids), self.embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu().numpy()
@@ -102,14 +94,17 @@ def _to_bf16(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
 
 
-def _dequantized(file: GGUFFile, name: str) -> np.ndarray:
+def _float32(stored: np.ndarray, qtype: int) -> np.ndarray:
+    """Values as GGUFFile.array gives them (blocks, or F32/F16/BF16 values) in float32: gguf's own dequantize."""
     from gguf.quants import dequantize
 
-    info = file.tensors[name]
-    array = file.array(name)
-    if info.type == 30:
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32) if info.type in (0, 1) else dequantize(array, info.type)
+    if qtype == 30:  # BF16, as raw bits
+        return (stored.astype(np.uint32) << 16).view(np.float32)
+    return stored.astype(np.float32) if qtype in (0, 1) else dequantize(stored, qtype)
+
+
+def _dequantized(file: GGUFFile, name: str) -> np.ndarray:
+    return _float32(file.array(name), file.tensors[name].type)
 
 
 def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = None) -> PackedWeight:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tuichat.backends.protocol import TuichatError
 from tuichat.bench.stats import RequestResult
+from tuichat.engine.heap import process_memory
 
 
 class LoopbackServer:
@@ -40,11 +41,10 @@ class LoopbackServer:
         """The server process's resident memory now and its most so far, in MB (Linux's VmRSS and VmHWM: the pages
         of a mapped model file it read count), or None where /proc does not tell."""
         try:
-            with open(f"/proc/{self.process.pid}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
-            return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024}
-        except (OSError, KeyError, ValueError):
+            rss, peak = process_memory(self.process.pid)
+        except OSError:
             return None
+        return {"rss_mb": rss / 2**20, "peak_rss_mb": peak / 2**20}
 
     def _log_tail(self, lines: int = 5) -> str:
         self.log.seek(0)
