@@ -27,8 +27,13 @@ FORMATS_K = [dict(attn_q=Q4_K, attn_k=Q4_K, attn_v=Q6_K, attn_output=Q6_K, ffn_g
 OUTPUT_FORMAT_K = Q6_K
 
 
-def shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-    head_dim = hidden // HEADS
+# Gemma 3: six layers (its pattern: five sliding-window layers, then a full one), heads of 256 dims as the real
+# models' (wider than the hidden size), a window shorter than the prompts, RoPE scaled in its full layers only.
+GEMMA_LAYERS, GEMMA_HEAD_DIM, GEMMA_WINDOW, GEMMA_ROPE_THETA, GEMMA_ROPE_FACTOR = 6, 256, 16, 1e6, 2.0
+
+
+def shapes(hidden: int, inter: int, head_dim: int | None = None) -> dict[str, tuple[int, int]]:
+    head_dim = head_dim or hidden // HEADS
     return dict(attn_q=(HEADS * head_dim, hidden), attn_k=(KV_HEADS * head_dim, hidden), attn_v=(KV_HEADS * head_dim, hidden),
                 attn_output=(hidden, HEADS * head_dim), ffn_gate=(inter, hidden), ffn_up=(inter, hidden), ffn_down=(hidden, inter))
 
@@ -63,26 +68,38 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     float32 divisors of the rotary frequencies, Llama 3's RoPE scaling as llama.cpp reads it) is written as the
     F32 tensor rope_freqs.weight, which has no transformers name (not in the returned weights). `arch` "qwen3":
     a Qwen3 file instead (Q and K in the model's own order, as its converter leaves them; each layer's q_norm and
-    k_norm F32 tensors over a head's dim)."""
+    k_norm F32 tensors over a head's dim). "gemma3": a Gemma 3 file (GEMMA_*; `formats` cycled over its layers;
+    no output tensor: the lm_head is token_embd; q/k norms and the four norms of a Gemma layer, stored as
+    convert_hf_to_gguf stores them, 1 + transformers' weight)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    from gguf import RopeScalingType
+
     rng = np.random.default_rng(seed)
+    gemma = arch == "gemma3"
+    head_dim = GEMMA_HEAD_DIM if gemma else hidden // HEADS
+    if gemma:
+        formats = [formats[i % len(formats)] for i in range(GEMMA_LAYERS)]
     writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny")
     writer.add_context_length(2048)
     writer.add_embedding_length(hidden)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(len(formats))
     writer.add_feed_forward_length(inter)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(hidden // HEADS)
-    if arch == "qwen3":
-        writer.add_key_length(hidden // HEADS)
-        writer.add_value_length(hidden // HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(GEMMA_ROPE_THETA if gemma else 10000.0)
+    if gemma:
+        writer.add_sliding_window(GEMMA_WINDOW)
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(GEMMA_ROPE_FACTOR)
+    writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     writer.add_vocab_size(VOCAB)
     # transformers builds the tokenizer from these: the 256 byte symbols, 63 merges, one control token.
     symbols = list(bytes_to_unicode().values())
@@ -101,7 +118,7 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     def add(name: str, hf_name: str, value: np.ndarray, format: int | None = None, rows: np.ndarray | None = None):
         if format is None:
             writer.add_tensor(name, value)
-            weights[hf_name] = value
+            weights[hf_name] = value - 1 if gemma and name.endswith("norm.weight") else value
             return
         if format in (Q4_K, Q5_K, Q6_K):  # the value's shape only
             blocks = k_quant_blocks(rng, *value.shape, format)
@@ -115,19 +132,23 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     for i, layer in enumerate(formats):
         for name, format in layer.items():
             # 0.08: sharp attention and peaked logits, so that a wrong row order or head shows in them
-            value = rng.standard_normal(shapes(hidden, inter)[name], dtype=np.float32) * 0.08
+            value = rng.standard_normal(shapes(hidden, inter, head_dim)[name], dtype=np.float32) * 0.08
             rows = {"attn_q": llama_cpp_order(len(value), HEADS), "attn_k": llama_cpp_order(len(value), KV_HEADS)}.get(name)
             add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{HF_NAMES[name]}.weight", value, format,
                 rows if arch == "llama" else None)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             for name in ("q_norm", "k_norm"):
                 add(f"blk.{i}.attn_{name}.weight", f"model.layers.{i}.self_attn.{name}.weight",
-                    1 + 0.2 * rng.standard_normal(hidden // HEADS, dtype=np.float32))
-        for name, hf_name in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+                    1 + 0.2 * rng.standard_normal(head_dim, dtype=np.float32))
+        norms = (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                 ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm")) if gemma else (
+                 ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"))
+        for name, hf_name in norms:
             add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf_name}.weight",
                 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
     add("output_norm.weight", "model.norm.weight", 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
-    add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32) * 0.08, output_format)
+    if not gemma:
+        add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32) * 0.08, output_format)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()

@@ -166,7 +166,7 @@ class LocalBackend:
             # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
             if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
                 loader.report(progress, "Building tuichat's CPU kernels (once)")
-            dtype = loader.resolve_dtype(self.options.dtype, device, family)
+            dtype = loader.resolve_dtype(self.options.dtype, device, family, resolved.kind == "gguf")
             started = time.monotonic()  # after the kernels' build (resolve_dtype): a once-per-machine cost
             in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)

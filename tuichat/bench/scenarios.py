@@ -88,7 +88,8 @@ class _Run:
         self.resolved = catalog.resolve(settings.model)
         self.device = loader.resolve_device(settings.options.device)
         # The family decides, as in LocalBackend: the peers run in the dtype tuichat runs.
-        self.dtype = loader.resolve_dtype(settings.options.dtype, self.device, loader.family(self.resolved))
+        self.dtype = loader.resolve_dtype(settings.options.dtype, self.device, loader.family(self.resolved),
+                                          self.resolved.kind == "gguf")
         self.torch = torch
         self.peer: HFPeer | None = None
         self.bandwidth: float | None = None

@@ -280,6 +280,10 @@ class ModelAttention:
     token_ids: list[int]  # what the probe forward ran, at positions 0, 1, ...
     logits: torch.Tensor  # its last position's logits (float32): what a correct serving path must reproduce
 
+    @property
+    def windows(self) -> list[int | None]:
+        return [layer.window for layer in self.layers]
+
 
 def inspect(model, num_layers: int) -> ModelAttention:
     """Every layer's attention, learned from one short forward of the model itself. Raises UnsupportedAttention

@@ -228,6 +228,22 @@ def as_gguf_reader(file: GGUFFile) -> Iterator[None]:
         gguf.GGUFReader = original
 
 
+def _as_llama_cpp_reads_it(file: GGUFFile, config) -> None:
+    """What transformers' GGUF mapping leaves at its config's defaults, set as llama.cpp reads the file: linear
+    RoPE scaling (Gemma 3's full layers; a flat config's only kind), and Gemma 3's attention scale, 1/sqrt(head
+    size), but 1/sqrt(hidden / heads) for its 62-layer 27B."""
+    arch = file.architecture
+    kind, factor = file.fields.get(f"{arch}.rope.scaling.type"), file.fields.get(f"{arch}.rope.scaling.factor")
+    rope = getattr(config, "rope_parameters", None)
+    if kind == "linear" and factor and float(factor) != 1.0 and isinstance(rope, dict):
+        scaled = rope.get("full_attention", rope)
+        if scaled.get("rope_type", "default") == "default":
+            scaled.update(rope_type="linear", factor=float(factor))
+    if arch == "gemma3" and getattr(config, "head_dim", None):
+        whole = config.num_hidden_layers == 62
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if whole else config.head_dim
+
+
 def config_and_tokenizer(file: GGUFFile, cache: Path | None, with_tokenizer: bool = True):
     """(transformers config, tokenizer or None) from the file's metadata, by transformers' own GGUF conversion.
     The tokenizer (a few MB of JSON: under 20 MB for a 150k vocabulary) and the config are remembered in `cache`,
@@ -254,6 +270,7 @@ def config_and_tokenizer(file: GGUFFile, cache: Path | None, with_tokenizer: boo
     key_length = file.fields.get(f"{file.architecture}.attention.key_length")
     if key_length and hasattr(config, "head_dim"):
         config.head_dim = int(key_length)
+    _as_llama_cpp_reads_it(file, config)
     if folder is not None:
         temporary = folder.with_name(folder.name + f".tmp-{os.getpid()}")
         try:

@@ -45,8 +45,9 @@ def resolve_device(option: str) -> torch.device:
     return device
 
 
-def resolve_dtype(option: str, device: torch.device, family: str | None = None) -> torch.dtype:
-    """`family`: the model's model_type, where known: on a CPU it decides whether tuichat's C layers will run."""
+def resolve_dtype(option: str, device: torch.device, family: str | None = None, gguf: bool = False) -> torch.dtype:
+    """`family`: the model's model_type, where known, and `gguf`, whether it is a GGUF file: on a CPU they decide
+    whether tuichat's C layers will run."""
     if option != "auto":
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[option]
@@ -61,7 +62,7 @@ def resolve_dtype(option: str, device: torch.device, family: str | None = None) 
         return torch.bfloat16
     from tuichat.engine.cpu import build, native
 
-    return torch.bfloat16 if family in native.SUPPORTED_MODEL_TYPES and build.available() else torch.float32
+    return torch.bfloat16 if native.runs_in_c(family, gguf) and build.available() else torch.float32
 
 
 def report(progress: ProgressCallback | None, what: str, fraction: float | None = None) -> None:

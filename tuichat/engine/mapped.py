@@ -29,8 +29,10 @@ from tuichat.engine.quant import PackedWeight
 from tuichat.engine.types import TuichatError
 
 # GGUF architectures whose layers decoder.c runs (native.SUPPORTED_MODEL_TYPES), by the model_type they load as.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _PERMUTED_QK = ("llama", "mistral")  # convert_hf_to_gguf interleaves these architectures' Q and K rows
+# Gemma's RMSNorm scales by 1 + weight; convert_hf_to_gguf stores weight + 1, which transformers' norm gets back.
+_SHIFTED_NORMS = ("gemma3",)
 
 
 class PackedLinear(nn.Module):
@@ -47,11 +49,13 @@ class PackedLinear(nn.Module):
 
 
 class MappedEmbedding(nn.Module):
-    """token_embd's rows, dequantized (gguf's own dequantize, float32) only for the ids a step looks up."""
+    """token_embd's rows, dequantized (gguf's own dequantize, float32) only for the ids a step looks up, times
+    `scale` (Gemma's square root of the hidden size, in float32 as llama.cpp scales them)."""
 
-    def __init__(self, blocks: np.ndarray, qtype: int, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: np.ndarray, qtype: int, vocab: int, hidden: int, dtype: torch.dtype,
+                 scale: float = 1.0) -> None:
         super().__init__()
-        self.blocks, self.qtype, self.dtype = blocks, qtype, dtype
+        self.blocks, self.qtype, self.dtype, self.scale = blocks, qtype, dtype, np.float32(scale)
         self.num_embeddings, self.embedding_dim = vocab, hidden
         # What callers read of an embedding's weight: its device and dtype (none of its values).
         self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
@@ -59,6 +63,8 @@ class MappedEmbedding(nn.Module):
     def rows(self, ids) -> torch.Tensor:
         """float32 [len(ids), hidden]."""
         values = _float32(self.blocks[np.asarray(ids, dtype=np.int64)], self.qtype)
+        if self.scale != 1:
+            values = values * self.scale
         return torch.from_numpy(np.ascontiguousarray(values).reshape(len(ids), self.embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -184,13 +190,14 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
                 if gguf_name is None:
                     raise TuichatError(f"{file.path.name} has no tensor for {module_name}")
                 exact = _exact(file, gguf_name)
-                module.weight = nn.Parameter(exact.to(torch.bfloat16), requires_grad=False)
+                shift = 1.0 if file.architecture in _SHIFTED_NORMS else 0.0
+                module.weight = nn.Parameter((exact - shift).to(torch.bfloat16), requires_grad=False)
                 mapped.exact[f"{module_name}.weight"] = exact
         info = file.tensors["token_embd.weight"]
         # float32 out: the probe's forward then keeps fp32 activations, as decoder.c does (bf16 ones drift a few %
         # of the logit range from it over a model's depth, which the serving-path check would take for a fault).
         mapped.embedding = MappedEmbedding(file.array("token_embd.weight"), info.type, info.shape[0], info.shape[1],
-                                           torch.float32)
+                                           torch.float32, getattr(model.model.embed_tokens, "scalar_embed_scale", 1.0))
         model.model.embed_tokens = mapped.embedding
         if "rope_freqs.weight" in file.tensors:  # Llama 3's RoPE scaling, as llama.cpp applies it: per-pair divisors
             rotary = model.model.rotary_emb

@@ -79,7 +79,7 @@ def prepare(model, source, config: EngineConfig, kv: KVCache, blocks: BlockManag
             why_not = native.unsupported_reason(model, kernel, found)
             if why_not is None:
                 try:
-                    decoder = native.NativeDecoder(model, kv, config.block_size, kernel)
+                    decoder = native.NativeDecoder(model, kv, config.block_size, kernel, windows=found.windows)
                     layers, weights, weight_bytes = "C", decoder.formats, decoder.weight_bytes
                 except ValueError as exc:
                     why_not = str(exc)
@@ -97,7 +97,7 @@ def prepare(model, source, config: EngineConfig, kv: KVCache, blocks: BlockManag
     if packed and decoder is not None:
         # Packed weights run over an f16 cache (decoder.c): the same bytes reread, as nothing is cached yet.
         kv.k, kv.v = ([t.view(torch.float16) for t in cache] for cache in (kv.k, kv.v))
-        decoder = native.NativeDecoder(model, kv, config.block_size, kernel, packed, exact)
+        decoder = native.NativeDecoder(model, kv, config.block_size, kernel, packed, exact, windows=found.windows)
         layers, weights, weight_bytes = "C", decoder.formats, decoder.weight_bytes
         _drop_bf16_copies(model, "lm_head" in packed, decoder.embedding is not None)
         runner = ModelRunner(model, kv, config.block_size, device, decoder)
@@ -118,7 +118,7 @@ def _prepare_mapped(model, config: EngineConfig, kv: KVCache, blocks: BlockManag
         raise TuichatError(f"tuichat cannot serve {what} from the file here: {why_not}.")
     kv.k, kv.v = ([t.view(torch.float16) for t in cache] for cache in (kv.k, kv.v))
     decoder = native.NativeDecoder(model, kv, config.block_size, kernel, mapped.packed, mapped.exact,
-                                   mapped.embedding.rows)
+                                   mapped.embedding.rows, found.windows)
     runner = ModelRunner(model, kv, config.block_size, torch.device("cpu"), decoder)
     check_serving_path(runner, found, blocks, torch.bfloat16, what, packed=True)
     return Prepared(runner, kernel, matmul, "C", decoder.formats, decoder.weight_bytes)

@@ -142,10 +142,22 @@ class CpuKernels:
         return y.view(*x.shape[:-1], out_features)
 
 
-# Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, full attention, o_proj, residual,
-# RMSNorm, SiLU-gated MLP, residual; and Qwen3, the same with each query and key head RMS-normed before RoPE
-# (in C with a GGUF's blocks only: the fp32 steps). Gemma (scaled embeddings, other norms, GELU) is not.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Families whose decoder layer is exactly: RMSNorm, q/k/v (+bias) with RoPE, attention (full or in a sliding
+# window), o_proj, residual, RMSNorm, SiLU-gated MLP, residual; and, in C with a GGUF's blocks only (the fp32
+# steps), Qwen3 (each query and key head RMS-normed before RoPE) and Gemma 3 (those head norms, norms after the
+# attention and the MLP, a GELU gate, scaled embeddings, local RoPE in its sliding-window layers).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+_FP32_ONLY = ("qwen3", "gemma3_text")
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # decoder.c's step_args.act
+
+
+def _activation(config) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+
+
+def runs_in_c(family: str | None, gguf: bool) -> bool:
+    """Whether decoder.c may run a model of this model_type (a GGUF is served from its file when it does)."""
+    return family in SUPPORTED_MODEL_TYPES and (gguf or family not in _FP32_ONLY)
 
 
 def family_reason(config, mapped: bool = False) -> str | None:
@@ -154,11 +166,18 @@ def family_reason(config, mapped: bool = False) -> str | None:
     config = text_config(config)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"{config.model_type} layers are not implemented in C"
-    if config.model_type == "qwen3" and not mapped:
-        return "qwen3 layers run in C only over a GGUF served from its file"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act}"
+    if config.model_type in _FP32_ONLY and not mapped:
+        return f"{config.model_type} layers run in C only over a GGUF served from its file"
+    if _activation(config) not in (_ACTIVATIONS if mapped else ("silu",)):
+        return f"activation {_activation(config)}"
+    if getattr(config, "final_logit_softcapping", None):
+        return "softcapped logits"
     return None
+
+
+def _eps(norm) -> float:
+    """An RMSNorm's epsilon, by either name transformers gives it."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttention) -> str | None:
@@ -169,8 +188,6 @@ def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttenti
     shape = ModelShape.of(model.config)
     if (why := family_reason(model.config, getattr(model, "tuichat_mapped", None) is not None)) is not None:
         return why
-    if any(layer.window is not None for layer in attention.layers):
-        return "sliding-window layers"
     if any(layer.softcap is not None for layer in attention.layers):
         return "softcapped attention"
     rotary_width = _rotary_width(model)
@@ -179,7 +196,7 @@ def unsupported_reason(model, kernel: CpuKernels | None, attention: ModelAttenti
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "layers split over devices"
     heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-    if head_dim % 32 or head_dim > 128 or heads % kv_heads or heads // kv_heads > 8:
+    if head_dim % 32 or head_dim > (256 if getattr(model, "tuichat_mapped", None) is not None else 128) or heads % kv_heads or heads // kv_heads > 8:
         return f"head shape {heads}x{head_dim} over {kv_heads} KV heads"
     if shape.hidden % 32 or shape.intermediate % 32:
         return "hidden or intermediate size not a multiple of 32"
@@ -221,21 +238,23 @@ _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 class LayerWeights(ctypes.Structure):
     """decoder.c's layer_weights (kernels.h): one layer's weights, biases, norms and cache by address."""
 
-    _fields_ = [(name, _P) for name in ("attn_norm", "qkv_w", "k_w", "v_w", "q_norm", "k_norm", "qkv_b", "o_w", "o_b", "mlp_norm",
-                                        "gate_up_w", "up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + [
-        (name, _I32) for name in ("qkv_fmt", "k_fmt", "v_fmt", "o_fmt", "gate_up_fmt", "up_fmt", "down_fmt")]
+    _fields_ = [(name, _P) for name in ("attn_norm", "qkv_w", "k_w", "v_w", "q_norm", "k_norm", "attn_post_norm",
+                                        "mlp_post_norm", "qkv_b", "o_w", "o_b", "mlp_norm", "gate_up_w", "up_w",
+                                        "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + [
+        (name, _I32) for name in ("qkv_fmt", "k_fmt", "v_fmt", "o_fmt", "gate_up_fmt", "up_fmt", "down_fmt", "window",
+                                  "local_rope")]
 
 
 class StepArgs(ctypes.Structure):
     """decoder.c's step_args (kernels.h): what decoder_step reads."""
 
-    VERSION = 2  # kernels.h's STEP_ARGS_VERSION
+    VERSION = 3  # kernels.h's STEP_ARGS_VERSION
     _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
-        (name, _P) for name in ("hidden", "ints", "tables", "embedding", "cos", "sin", "sample_rows", "final_weight",
-                                "normed", "head", "head_bias", "logits", "layers")] + [
+        (name, _P) for name in ("hidden", "ints", "tables", "embedding", "cos", "sin", "cos_local", "sin_local",
+                                "sample_rows", "final_weight", "normed", "head", "head_bias", "logits", "layers")] + [
         (name, _I32) for name in ("f32", "rows", "tables_len", "num_blocks", "emb_f32", "vocab", "positions", "samples",
                                   "head_format", "vocab_out", "num_layers", "width", "heads", "kv_heads", "dim", "inter",
-                                  "block_size", "threads")] + [(name, _F32) for name in ("final_eps", "eps", "scale")]
+                                  "block_size", "threads", "act")] + [(name, _F32) for name in ("final_eps", "eps", "scale")]
 
 
 def abi() -> str:
@@ -265,16 +284,19 @@ class RotaryTable:
 
     GROW = 1024  # positions
 
-    def __init__(self, rotary, dtype: torch.dtype) -> None:
+    def __init__(self, rotary, dtype: torch.dtype, layer_type: str | None = None) -> None:
+        """`layer_type`: for a module with RoPE per kind of layer (Gemma 3's), the kind's."""
         self.rotary, self.dtype = rotary, dtype
-        self.static = getattr(rotary, "rope_type", None) in _STATIC_ROPE
+        self.kind = {} if layer_type is None else {"layer_type": layer_type}
+        rope_type = getattr(rotary, "rope_type", None)
+        self.static = (rope_type[layer_type] if isinstance(rope_type, dict) else rope_type) in _STATIC_ROPE
         self.cos = self.sin = torch.empty(0)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of these positions."""
         if not self.static:
             probe = torch.empty(0, dtype=self.dtype)
-            return tuple(t[0].contiguous() for t in self.rotary(probe, positions[None]))
+            return tuple(t[0].contiguous() for t in self.rotary(probe, positions[None], **self.kind))
         cos, sin = self.upto(int(positions.max()) + 1)
         return cos[positions], sin[positions]
 
@@ -283,14 +305,22 @@ class RotaryTable:
         if needed > self.cos.shape[0]:
             probe = torch.empty(0, dtype=self.dtype)
             every = torch.arange(-(-needed // self.GROW) * self.GROW)
-            self.cos, self.sin = (t[0].contiguous() for t in self.rotary(probe, every[None]))
+            self.cos, self.sin = (t[0].contiguous() for t in self.rotary(probe, every[None], **self.kind))
         return self.cos, self.sin
+
+
+def _layer_types(model) -> list[str] | None:
+    """The layers' kinds where the rotary module has RoPE per kind (Gemma 3's), else None."""
+    types = getattr(text_config(model.config), "layer_types", None)
+    return list(types) if types and isinstance(getattr(model.model.rotary_emb, "rope_type", None), dict) else None
 
 
 def _rotary_width(model) -> int:
     """How many dims transformers' rotary tables cover (a partial rotary factor makes it less than head_dim)."""
     probe = torch.zeros(1, 1, dtype=model.dtype)
-    cos, _ = model.model.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
+    kinds = _layer_types(model)
+    cos, _ = model.model.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long),
+                                    **({"layer_type": kinds[0]} if kinds else {}))
     return cos.shape[-1]
 
 
@@ -302,10 +332,11 @@ class NativeDecoder:
 
     def __init__(self, model, kv: KVCache, block_size: int, kernel: CpuKernels,
                  packed: dict[str, PackedWeight] | None = None, exact: dict[str, torch.Tensor] | None = None,
-                 embedding_rows=None) -> None:
+                 embedding_rows=None, windows: list[int | None] | None = None) -> None:
         """`embedding_rows` (ids -> float32 rows): where the embedding's rows come from when the model holds no
         embedding matrix (a GGUF served from its map: mapped.py); the weights are then never joined, as joining
-        would copy what is read in place."""
+        would copy what is read in place. `windows`: each layer's sliding window (None: full attention), as
+        attention.inspect found them."""
         self.model = model
         self.embedding_rows = embedding_rows
         self.block_size = block_size
@@ -322,11 +353,18 @@ class NativeDecoder:
 
         self.embedding = exact.get("model.embed_tokens.weight")  # else rows of the model's, widened
         self.final_norm = fp32("model.norm.weight", model.model.norm.weight) if packed else None
-        self.rotary = RotaryTable(model.model.rotary_emb, torch.float32 if packed else torch.bfloat16)
-        self.final_eps = model.model.norm.variance_epsilon
+        rotary_dtype = torch.float32 if packed else torch.bfloat16
+        kinds = _layer_types(model)  # RoPE per kind of layer: the full layers' table, the sliding ones' local one
+        if kinds and not set(kinds) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"decoder.c has no RoPE for layers of kinds {sorted(set(kinds))}")
+        self.rotary = RotaryTable(model.model.rotary_emb, rotary_dtype, "full_attention" if kinds else None)
+        self.rotary_local = (RotaryTable(model.model.rotary_emb, rotary_dtype, "sliding_attention")
+                             if kinds and "sliding_attention" in kinds else None)
+        self.final_eps = _eps(model.model.norm)
         self._norms: list[torch.Tensor] = []  # the fp32 norm weights decoder.c reads by address
         layers = model.model.layers
-        self.eps = layers[0].input_layernorm.variance_epsilon
+        windows = windows or [None] * len(layers)
+        self.eps = _eps(layers[0].input_layernorm)
         self.scale = layers[0].self_attn.scaling
         head = model.lm_head
         # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
@@ -336,7 +374,7 @@ class NativeDecoder:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.POINTER(StepArgs)]
         self.num_blocks = kv.k[0].shape[0] // block_size
-        if any(l.input_layernorm.variance_epsilon != self.eps or l.post_attention_layernorm.variance_epsilon != self.eps
+        if any(_eps(l.input_layernorm) != self.eps or _eps(l.post_attention_layernorm) != self.eps
                or l.self_attn.scaling != self.scale for l in layers):
             raise ValueError("decoder.c takes one norm epsilon and one attention scale for all layers")
         s = self.shape
@@ -373,23 +411,32 @@ class NativeDecoder:
             gate_up_b = self._joined_bias(mlp, "fused_gate_up", ("gate_proj", "up_proj"))
             weights = [*qkv_parts, o_w, *gate_up_parts, down_w]
             qkv_w, gate_up_w = qkv_parts[0], gate_up_parts[0]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            # Gemma 3 norms the MLP's input with pre_feedforward_layernorm, and its post_attention_layernorm and
+            # post_feedforward_layernorm the two sublayers' outputs.
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            names = ("input_layernorm", "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+            norms = [getattr(layer, name).weight for name in names]
             if packed:
-                norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(("input_layernorm", "post_attention_layernorm"), norms)]
+                norms = [fp32(f"model.layers.{i}.{n}.weight", w) for n, w in zip(names, norms)]
                 self._norms += norms
             norm_dtype = torch.float32 if packed else torch.bfloat16
-            head_norms = {}  # Qwen3's q_norm and k_norm: fp32, over a head's dim
-            for name in ("q_norm", "k_norm"):
-                module = getattr(attn, name, None)
-                if module is None:
+            extra_norms = {}  # fp32 only: Qwen3's and Gemma 3's q_norm and k_norm (over a head's dim), Gemma 3's post norms
+            for name, hf_name, width in [("q_norm", "self_attn.q_norm", s.head_dim), ("k_norm", "self_attn.k_norm", s.head_dim),
+                                         ("attn_post_norm", "post_attention_layernorm", s.hidden),
+                                         ("mlp_post_norm", "post_feedforward_layernorm", s.hidden)]:
+                if name == "attn_post_norm" and not sandwich:  # a llama's: the MLP's input norm, above
+                    continue
+                try:
+                    module = layer.get_submodule(hf_name)
+                except AttributeError:  # a family without it
                     continue
                 if not packed:
-                    raise ValueError("Qwen3's q/k norms run in C only over a GGUF's blocks (its fp32 steps)")
-                if module.variance_epsilon != self.eps:
+                    raise ValueError(f"decoder.c runs {name} only over a GGUF's blocks (its fp32 steps)")
+                if _eps(module) != self.eps:
                     raise ValueError("decoder.c takes one norm epsilon for all norms")
-                head_norms[name] = fp32(f"model.layers.{i}.self_attn.{name}.weight", module.weight)
-                _check(head_norms[name], (s.head_dim,), f"layer {i}", torch.float32)
-                self._norms.append(head_norms[name])
+                extra_norms[name] = fp32(f"model.layers.{i}.{hf_name}.weight", module.weight)
+                _check(extra_norms[name], (width,), f"layer {i}", torch.float32)
+                self._norms.append(extra_norms[name])
             for tensor, shape, dtype in [
                 (norms[0], (s.hidden,), norm_dtype), (qkv_b, (qkv,), torch.bfloat16),
                 (attn.o_proj.bias, (s.hidden,), torch.bfloat16), (norms[1], (s.hidden,), norm_dtype),
@@ -404,8 +451,10 @@ class NativeDecoder:
                        "up_w": gate_up_parts[1] if len(gate_up_parts) > 1 else None, "down_w": down_w}
             tensors = {"attn_norm": norms[0], "mlp_norm": norms[1], "qkv_b": qkv_b,
                        "o_b": attn.o_proj.bias, "gate_up_b": gate_up_b, "down_b": mlp.down_proj.bias,
-                       "k_cache": kv.k[i], "v_cache": kv.v[i], **head_norms}
+                       "k_cache": kv.k[i], "v_cache": kv.v[i], **extra_norms}
+            local = kinds is not None and kinds[i] == "sliding_attention"
             table[i] = LayerWeights(  # fields left out (a bias, a part) stay NULL
+                window=windows[i] or 0, local_rope=int(local),
                 **{name: w.data.data_ptr() for name, w in linears.items() if w is not None},
                 **{name.removesuffix("_w") + "_fmt": w.format for name, w in linears.items() if w is not None},
                 **{name: t.data_ptr() for name, t in tensors.items() if t is not None})
@@ -420,7 +469,7 @@ class NativeDecoder:
             size=ctypes.sizeof(StepArgs), version=StepArgs.VERSION, layers=ctypes.addressof(table),
             num_layers=len(layers), width=s.hidden, heads=s.heads, kv_heads=s.kv_heads, dim=s.head_dim,
             inter=s.intermediate, block_size=block_size, eps=self.eps, scale=self.scale, f32=int(self.every_step),
-            num_blocks=self.num_blocks, final_eps=self.final_eps,
+            num_blocks=self.num_blocks, final_eps=self.final_eps, act=_ACTIVATIONS[_activation(text_config(model.config))],
             final_weight=self.final_norm.data_ptr() if self.final_norm is not None else None)
         self._head = (None, 0, None, 0) if self.head is None else (
             self.head.data.data_ptr(), self.head.format, None if bias is None else bias.data_ptr(), self.head.out_features)
@@ -474,16 +523,19 @@ class NativeDecoder:
         n, shape, samples = len(tokens), self.shape, len(sample_rows)
         ints = torch.tensor(tokens + positions + table_offsets + sample_rows + tables, dtype=torch.int32)
         base = ints.data_ptr()
-        if self.rotary.static:  # tables by position: decoder.c looks each row's up
-            cos, sin = self.rotary.upto(max(positions) + 1)
-            by_position = cos.shape[0]
+        tables_of = [self.rotary] + ([self.rotary_local] if self.rotary_local is not None else [])
+        if all(table.static for table in tables_of):  # tables by position: decoder.c looks each row's up
+            rope = [table.upto(max(positions) + 1) for table in tables_of]
+            by_position = rope[0][0].shape[0]
         else:
-            cos, sin = self.rotary(torch.tensor(positions))
+            rope = [table(torch.tensor(positions)) for table in tables_of]
             by_position = 0
         # decoder.c reads these by pointer, trusting their shapes: a mismatch must stop here, not read past them.
         dtype = torch.float32 if self.every_step else torch.bfloat16
-        _check(cos, (by_position or n, shape.head_dim), "rotary cos", dtype)
-        _check(sin, (by_position or n, shape.head_dim), "rotary sin", dtype)
+        for cos, sin in rope:
+            _check(cos, (by_position or n, shape.head_dim), "rotary cos", dtype)
+            _check(sin, (by_position or n, shape.head_dim), "rotary sin", dtype)
+        (cos, sin), (cos_local, sin_local) = rope[0], rope[-1]
         embedding = self.model.model.embed_tokens.weight if self.embedding is None else self.embedding
         embedding = rows if rows is not None else embedding
         if embedding is not self._checked_embedding:  # it never changes in a model's life: checked once
@@ -501,6 +553,7 @@ class NativeDecoder:
         a.hidden, a.ints, a.rows, a.tables, a.tables_len = hidden.data_ptr(), base, n, base + 4 * (3 * n + samples), len(tables)
         a.embedding, a.emb_f32, a.vocab = embedding.data_ptr(), int(embedding.dtype is torch.float32), embedding.shape[0]
         a.cos, a.sin, a.positions = cos.data_ptr(), sin.data_ptr(), by_position
+        a.cos_local, a.sin_local = (cos_local.data_ptr(), sin_local.data_ptr()) if len(rope) > 1 else (None, None)
         a.sample_rows, a.samples, a.normed = base + 4 * 3 * n, samples, last.data_ptr() if fused else None
         a.head, a.head_format, a.head_bias, a.vocab_out = head, head_format, head_bias, vocab_out
         a.logits, a.threads = logits.data_ptr() if logits is not None else None, torch.get_num_threads()

@@ -2,6 +2,9 @@
  * in bf16 (or, with weights in a GGUF's blocks, fp32 over an f16 cache: see rms_norm_f32); built with the
  * linears (linear.c) and driven by native.py.
  *
+ * fp32 steps also run Qwen3's and Gemma 3's layers: per-head q/k norms, norms after the attention and the MLP,
+ * a GELU gate, sliding-window layers with their own RoPE (layer_weights in kernels.h).
+ *
  * Why: with the matmuls in our own kernels, a decode step through transformers' modules still spent much of
  * its time in small torch ops and their Python: norms, rotary, casts, gathers, adds (docs/design/kernels.md
  * has the figures). Here a layer is eight passes over a few rows. The arithmetic mirrors transformers' bf16 code: every place where torch
@@ -67,13 +70,21 @@ static void rotate_f32(float *head, const float *cos, const float *sin, int dim)
     }
 }
 
-static void silu_mul_f32(const float *gate_up, float *out, int rows, int width, int threads) {
+/* act(gate) * up: act 0 SiLU, 1 GELU's tanh approximation (Gemma's gelu_pytorch_tanh), tanh(u) as
+ * 1 - 2 / (e^2u + 1). */
+static void act_mul_f32(const float *gate_up, float *out, int rows, int width, int threads, int act) {
     #pragma omp parallel for num_threads(threads) schedule(static) if ((long)rows * width >= 16384)
     for (int t = 0; t < rows; t++) {
         const float *gate = gate_up + (long)t * 2 * width, *up = gate + width;
         for (int i = 0; i < width; i += LANES) {
-            vf g = load_f32(gate + i);
-            store_f32(out + (long)t * width + i, g / (1.0f + vexp(-g)) * load_f32(up + i));
+            vf g = load_f32(gate + i), a;
+            if (act) {
+                vf u = 0.7978845608f * (g + 0.044715f * g * g * g);
+                a = 0.5f * g * (2.0f - 2.0f / (vexp(2.0f * u) + 1.0f));
+            } else {
+                a = g / (1.0f + vexp(-g));
+            }
+            store_f32(out + (long)t * width + i, a * load_f32(up + i));
         }
     }
 }
@@ -138,7 +149,8 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
 #define SPLIT 256
 
 /* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
- * row's positions lo..n (lo a multiple of SPLIT), rounded once to bf16 (with f32: q and the result fp32, the
+ * row's positions lo..n (lo a multiple of 16) of which those before `first` are masked (a sliding window's
+ * start; at most lo elsewhere), rounded once to bf16 (with f32: q and the result fp32, the
  * cache f16, see above). Where those are all the row's positions (lo 0 and n <= SPLIT), that is the result;
  * else `partial` takes each head's max score, sum of numerators and unscaled weighted sum (dim + 2 floats a
  * head), for merge_partials. With AMX the scores come from tiles: 16 keys of one cache
@@ -151,8 +163,8 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
  * costs compile time (~6 s for the first build), which is paid once per machine. */
 static inline __attribute__((always_inline)) void attend_shape(
         const void *q_in, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
-        const int32_t *table, int block_size, int lo, int n, int kv_heads, int kv_head, const int group, const int dim,
-        float scale, float *work, const int f32) {
+        const int32_t *table, int block_size, int lo, int first, int n, int kv_heads, int kv_head, const int group,
+        const int dim, float scale, float *work, const int f32) {
     const int chunks = dim / LANES;
     int padded = (n - lo + 31) / 32 * 32;
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
@@ -191,7 +203,7 @@ static inline __attribute__((always_inline)) void attend_shape(
     } else
 #endif
     {
-    vf qv[8][128 / LANES];
+    vf qv[8][256 / LANES];
     for (int h = 0; h < group; h++)
         for (int c = 0; c < chunks; c++)
             qv[h][c] = f32 ? load_f32(q_f32 + (long)h * dim + LANES * c) : load_bf16(q + (long)h * dim + LANES * c);
@@ -202,7 +214,7 @@ static inline __attribute__((always_inline)) void attend_shape(
          * taken LANES at once (sum_each: ~3 operations a sum where a horizontal sum per position took ~10). */
         vf dots[8][16];
         for (int j = 0; j < 16; j++) {
-            vf key[128 / LANES];
+            vf key[256 / LANES];
             for (int c = 0; c < chunks; c++) key[c] = j < count ? LOAD_KV(keys + (long)j * stride + LANES * c) : splat(0.0f);
             for (int h = 0; h < group; h++) {
                 vf dot = splat(0.0f);
@@ -215,16 +227,18 @@ static inline __attribute__((always_inline)) void attend_shape(
                 store_f32(work + (long)h * padded + (j0 - lo) + first, sum_each(dots[h] + first) * scale);
     }
     }
+    for (int h = 0; h < group; h++)
+        for (int j = lo; j < first && j < n; j++) work[(long)h * padded + (j - lo)] = -INFINITY;
     float sums[8], tops[8];
     for (int h = 0; h < group; h++) sums[h] = softmax_numerators(work + (long)h * padded, n - lo, &tops[h]);
-    vf acc[8][128 / LANES];
+    vf acc[8][256 / LANES];
     for (int h = 0; h < group; h++)
         for (int c = 0; c < chunks; c++) acc[h][c] = splat(0.0f);
     for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
         const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride;
         if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
         for (int j = j0; j < n && j < j0 + 16; j++) {
-            vf vv[128 / LANES];
+            vf vv[256 / LANES];
             for (int c = 0; c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
             for (int h = 0; h < group; h++) {
                 vf weight = splat(work[(long)h * padded + (j - lo)]);
@@ -267,17 +281,17 @@ static void merge_partials(const float *partial, long step, int parts, int dim, 
 }
 
 static void attend(const void *q, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int block_size, int lo, int n, int kv_heads, int kv_head, int group, int dim,
-                   float scale, float *work, int f32) {
-#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, G, D, scale, work, F); return;
+                   const int32_t *table, int block_size, int lo, int first, int n, int kv_heads, int kv_head, int group,
+                   int dim, float scale, float *work, int f32) {
+#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, G, D, scale, work, F); return;
 #define SHAPES(F) SHAPE(1, 64, F) SHAPE(2, 64, F) SHAPE(3, 64, F) SHAPE(4, 64, F) SHAPE(5, 64, F) SHAPE(6, 64, F) \
     SHAPE(7, 64, F) SHAPE(8, 64, F) SHAPE(1, 128, F) SHAPE(2, 128, F) SHAPE(3, 128, F) SHAPE(4, 128, F) SHAPE(5, 128, F) \
     SHAPE(6, 128, F) SHAPE(7, 128, F) SHAPE(8, 128, F)
     switch (!!f32 * 100000 + group * 1000 + dim) {
-        SHAPES(0) SHAPES(1)
+        SHAPES(0) SHAPES(1) SHAPE(1, 256, 1) SHAPE(2, 256, 1) SHAPE(4, 256, 1)  /* Gemma 3's heads */
         default:
-            if (f32) attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, group, dim, scale, work, 1);
-            else attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, n, kv_heads, kv_head, group, dim, scale, work, 0);
+            if (f32) attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, group, dim, scale, work, 1);
+            else attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, group, dim, scale, work, 0);
     }
 #undef SHAPES
 #undef SHAPE
@@ -325,12 +339,14 @@ static int linear_parts(scratch *s, const void *x, const void *const *weights, c
  * transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the cache f16
  * (see rms_norm_f32); cos/sin hold a row per position (row t reads pos[t]'s) where by_position, else one per
  * row, each dim wide; the cache holds num_blocks blocks; intermediates in s (SCRATCH_DECODER). 0 on success, -3 for a block table or position outside the cache. */
-static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, const void *sin, int by_position,
+static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, const void *sin, const void *cos_local,
+                          const void *sin_local, int act, int by_position,
                           const int32_t *pos, const int32_t *table_off, const int32_t *tables, int tables_len,
                           int num_blocks, int rows, const layer_weights *layers, int num_layers, int width, int heads,
                           int kv_heads, int dim, int inter, int block_size, float eps, float scale, int threads) {
     int group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * dim;
-    if (rows < 1 || rows > 512 || width % 32 || dim % 32 || dim > 128 || heads % kv_heads || group > 8 || inter % 32 || block_size % 16)
+    if (rows < 1 || rows > 512 || width % 32 || dim % 32 || dim > (f32 ? 256 : 128) || heads % kv_heads || group > 8 ||
+        inter % 32 || block_size % 16 || (act && !f32))
         return -1;
     /* Every address below comes from these: a bad plan must be an error, not a write into foreign memory. */
     for (int i = 0; i < tables_len; i++)
@@ -355,7 +371,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
     char *buffers[6], *next = scratch_reserve(s, SCRATCH_DECODER, need);
     if (!next) return -2;
     for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
-    void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *act = buffers[5];
+    void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *gated = buffers[5];
     float *work = (float *)next, *partials = work + (size_t)threads * per_thread;
     int32_t *task_row = (int32_t *)(partials + partial_floats), *task_part = task_row + tasks;
     int32_t *task_head = task_part + tasks, *partial_at = task_head + tasks;  /* task_head -1: all of them */
@@ -367,8 +383,11 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             task_row[task] = t, task_part[task] = parts > 1 ? i : 0, task_head[task] = parts > 1 ? -1 : i;
     }
     int status;
-    for (int l = 0; l < num_layers; l++)
-        if (!f32 && (layers[l].q_norm || layers[l].k_norm)) return -1;  /* q/k norms: fp32 steps only */
+    for (int l = 0; l < num_layers; l++) {
+        const layer_weights *p = layers + l;
+        if (!f32 && (p->q_norm || p->k_norm || p->attn_post_norm || p->mlp_post_norm || p->local_rope)) return -1;
+        if (p->window < 0 || (p->local_rope && !cos_local)) return -1;
+    }
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *p = layers + l;
         uint16_t *k_cache = p->k_cache, *v_cache = p->v_cache;
@@ -384,12 +403,13 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             const int32_t *table = tables + table_off[t];
             long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
             const long at = (long)(by_position ? pos[t] : t) * dim;  /* its cos/sin */
+            const void *cos_l = p->local_rope ? cos_local : cos, *sin_l = p->local_rope ? sin_local : sin;
             if (f32) {
                 float *row = (float *)qkv + (long)t * qkv_width;
                 if (p->q_norm) rms_norm_f32(row, p->q_norm, row, heads, dim, eps);  /* in place: a head is a "row" */
                 if (p->k_norm) rms_norm_f32(row + (long)heads * dim, p->k_norm, row + (long)heads * dim, kv_heads, dim, eps);
                 for (int h = 0; h < heads + kv_heads; h++)
-                    rotate_f32(row + (long)h * dim, (const float *)cos + at, (const float *)sin + at, dim);
+                    rotate_f32(row + (long)h * dim, (const float *)cos_l + at, (const float *)sin_l + at, dim);
                 for (long i = 0; i < kv_width; i += LANES) {
                     store_f16(k_cache + slot * kv_width + i, load_f32(row + (long)heads * dim + i));
                     store_f16(v_cache + slot * kv_width + i, load_f32(row + (long)(heads + kv_heads) * dim + i));
@@ -411,11 +431,22 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             #pragma omp for schedule(dynamic)
             for (long task = 0; task < tasks; task++) {
                 const int t = task_row[task], c = task_part[task], end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
+                /* A window's first position; a part wholly before it adds nothing (an empty partial). */
+                const int first = p->window && pos[t] >= p->window ? pos[t] + 1 - p->window : 0;
+                const int lo = c * SPLIT > (first & ~15) ? c * SPLIT : first & ~15;
                 for (int g = task_head[task] < 0 ? 0 : task_head[task]; g < (task_head[task] < 0 ? kv_heads : task_head[task] + 1); g++) {
                     float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
+                    if (end <= first) {  /* only where parts > 1: the part holding pos[t] is never empty */
+                        for (int h = 0; h < group; h++) {
+                            float *empty = partial + (long)h * (dim + 2);
+                            empty[0] = -INFINITY, empty[1] = 0.0f;
+                            memset(empty + 2, 0, sizeof(float) * dim);
+                        }
+                        continue;
+                    }
                     attend((const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
                            (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem, partial, k_cache, v_cache,
-                           tables + table_off[t], block_size, c * SPLIT, end, kv_heads, g, group, dim, scale, mine, f32);
+                           tables + table_off[t], block_size, lo, first, end, kv_heads, g, group, dim, scale, mine, f32);
                 }
             }
             #pragma omp for schedule(static)
@@ -431,6 +462,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         }
         status = scratch_linear(s, attn, p->o_w, p->o_fmt, p->o_b, tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
         if (status != 0) return status;
+        if (p->attn_post_norm) rms_norm_f32(tmp, p->attn_post_norm, tmp, rows, width, eps);
         if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
         if (f32) rms_norm_f32(hidden, p->mlp_norm, normed, rows, width, eps);
@@ -441,10 +473,11 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         status = linear_parts(s, normed, gate_up_parts, gate_up_formats, gate_up_sizes, p->up_w ? 2 : 1, p->gate_up_b,
                               gate_up, rows, 2 * inter, width, threads, f32);
         if (status != 0) return status;
-        if (f32) silu_mul_f32(gate_up, act, rows, inter, threads);
-        else silu_mul(gate_up, act, rows, inter, threads);
-        status = scratch_linear(s, act, p->down_w, p->down_fmt, p->down_b, tmp, rows, width, inter, inter, width, threads, f32);
+        if (f32) act_mul_f32(gate_up, gated, rows, inter, threads, act);
+        else silu_mul(gate_up, gated, rows, inter, threads);
+        status = scratch_linear(s, gated, p->down_w, p->down_fmt, p->down_b, tmp, rows, width, inter, inter, width, threads, f32);
         if (status != 0) return status;
+        if (p->mlp_post_norm) rms_norm_f32(tmp, p->mlp_post_norm, tmp, rows, width, eps);
         if (f32) add_into_f32(hidden, tmp, (long)rows * width);
         else add_into(hidden, tmp, (long)rows * width);
     }
@@ -480,8 +513,10 @@ static int step(scratch *s, const step_args *a) {
     for (int at = 0; at < rows; at += 512) {
         const int n = rows - at < 512 ? rows - at : 512;
         const long skip = a->positions > 0 ? 0 : (long)at * a->dim;
+        const char *cos_local = a->cos_local ? (const char *)a->cos_local + skip * elem : NULL;
+        const char *sin_local = a->sin_local ? (const char *)a->sin_local + skip * elem : NULL;
         int status = decoder_layers(s, (char *)a->hidden + (long)at * width * elem, f32, (const char *)a->cos + skip * elem,
-                                    (const char *)a->sin + skip * elem, a->positions > 0, pos + at, table_off + at,
+                                    (const char *)a->sin + skip * elem, cos_local, sin_local, a->act, a->positions > 0, pos + at, table_off + at,
                                     a->tables, a->tables_len, a->num_blocks, n, a->layers, a->num_layers, width, a->heads,
                                     a->kv_heads, a->dim, a->inter, a->block_size, a->eps, a->scale, a->threads);
         if (status != 0) return status;
@@ -516,20 +551,22 @@ typedef struct { const char *name; size_t at; } field;
 #define AT(type, f) {#f, offsetof(type, f)}
 static const field layer_fields[] = {
     AT(layer_weights, attn_norm), AT(layer_weights, qkv_w), AT(layer_weights, k_w), AT(layer_weights, v_w),
-    AT(layer_weights, q_norm), AT(layer_weights, k_norm), AT(layer_weights, qkv_b), AT(layer_weights, o_w), AT(layer_weights, o_b), AT(layer_weights, mlp_norm),
+    AT(layer_weights, q_norm), AT(layer_weights, k_norm), AT(layer_weights, attn_post_norm),
+    AT(layer_weights, mlp_post_norm), AT(layer_weights, qkv_b), AT(layer_weights, o_w), AT(layer_weights, o_b), AT(layer_weights, mlp_norm),
     AT(layer_weights, gate_up_w), AT(layer_weights, up_w), AT(layer_weights, gate_up_b), AT(layer_weights, down_w),
     AT(layer_weights, down_b), AT(layer_weights, k_cache), AT(layer_weights, v_cache), AT(layer_weights, qkv_fmt),
     AT(layer_weights, k_fmt), AT(layer_weights, v_fmt), AT(layer_weights, o_fmt), AT(layer_weights, gate_up_fmt),
-    AT(layer_weights, up_fmt), AT(layer_weights, down_fmt)};
+    AT(layer_weights, up_fmt), AT(layer_weights, down_fmt), AT(layer_weights, window), AT(layer_weights, local_rope)};
 static const field step_fields[] = {
     AT(step_args, size), AT(step_args, version), AT(step_args, hidden), AT(step_args, ints), AT(step_args, tables),
-    AT(step_args, embedding), AT(step_args, cos), AT(step_args, sin), AT(step_args, sample_rows),
+    AT(step_args, embedding), AT(step_args, cos), AT(step_args, sin), AT(step_args, cos_local), AT(step_args, sin_local),
+    AT(step_args, sample_rows),
     AT(step_args, final_weight), AT(step_args, normed), AT(step_args, head), AT(step_args, head_bias),
     AT(step_args, logits), AT(step_args, layers), AT(step_args, f32), AT(step_args, rows), AT(step_args, tables_len),
     AT(step_args, num_blocks), AT(step_args, emb_f32), AT(step_args, vocab), AT(step_args, positions),
     AT(step_args, samples), AT(step_args, head_format), AT(step_args, vocab_out), AT(step_args, num_layers),
     AT(step_args, width), AT(step_args, heads), AT(step_args, kv_heads), AT(step_args, dim), AT(step_args, inter),
-    AT(step_args, block_size), AT(step_args, threads), AT(step_args, final_eps), AT(step_args, eps), AT(step_args, scale)};
+    AT(step_args, block_size), AT(step_args, threads), AT(step_args, act), AT(step_args, final_eps), AT(step_args, eps), AT(step_args, scale)};
 
 static int describe(char *out, size_t room, const char *name, size_t size, const field *fields, size_t count) {
     int used = snprintf(out, room, "%s %zu:", name, size);

@@ -204,15 +204,18 @@ int sample_row(const float *logits, int n, const int64_t *reply, int replied, fl
 /* decoder.c: a layer's weights and cache, and a step's arguments, as structs native.py mirrors with ctypes.
  * kernel_abi() spells out both layouts (field names and offsets), which native.py compares with its own before
  * the first call, and decoder_step refuses a step_args whose size or version is not this build's. */
-#define STEP_ARGS_VERSION 2
+#define STEP_ARGS_VERSION 3
 
 /* A layer: q/k/v and gate/up are one linear each (qkv_w, gate_up_w), or, where their parts' weights differ in
  * format (a K-quant mix gives v more bits than q and k), parts: qkv_w then q alone, with k_w and v_w; gate_up_w
- * gate alone, with up_w. The fused biases serve either way; a missing bias or part is NULL. q_norm and k_norm
- * (Qwen3; fp32 steps only): each query and key head RMS-normed over its dim with these weights before RoPE. */
+ * gate alone, with up_w. The fused biases serve either way; a missing bias or part is NULL. The rest are for
+ * fp32 steps only. q_norm and k_norm (Qwen3, Gemma 3): each query and key head RMS-normed over its dim with these
+ * weights before RoPE; attn_post_norm and mlp_post_norm (Gemma 3): the attention's and the MLP's outputs
+ * RMS-normed before their residual adds. window > 0: a row at position p sees positions (p - window, p] only
+ * (a sliding-window layer); local_rope: its RoPE from step_args' cos_local/sin_local. */
 typedef struct {
     const void *attn_norm, *qkv_w, *k_w, *v_w;
-    const float *q_norm, *k_norm;
+    const float *q_norm, *k_norm, *attn_post_norm, *mlp_post_norm;
     const uint16_t *qkv_b;
     const void *o_w;
     const uint16_t *o_b;
@@ -221,7 +224,7 @@ typedef struct {
     const void *down_w;
     const uint16_t *down_b;
     uint16_t *k_cache, *v_cache;
-    int32_t qkv_fmt, k_fmt, v_fmt, o_fmt, gate_up_fmt, up_fmt, down_fmt;
+    int32_t qkv_fmt, k_fmt, v_fmt, o_fmt, gate_up_fmt, up_fmt, down_fmt, window, local_rope;
 } layer_weights;
 
 typedef struct {
@@ -231,6 +234,7 @@ typedef struct {
     const int32_t *tables;        /* the block tables, tables_len ints, each < num_blocks */
     const void *embedding;        /* [vocab, width], fp32 where emb_f32, else bf16 */
     const void *cos, *sin;        /* [positions, dim] tables by position, or (positions 0) a row each */
+    const void *cos_local, *sin_local;  /* the same for layers with local_rope, or NULL */
     const int32_t *sample_rows;   /* the rows whose logits are wanted, samples of them */
     const float *final_weight;    /* f32 only: the final norm's weight, or NULL */
     float *normed;                /* [samples, width]: the final norm's output */
@@ -240,6 +244,7 @@ typedef struct {
     const layer_weights *layers;  /* num_layers of them */
     int32_t f32, rows, tables_len, num_blocks, emb_f32, vocab, positions, samples, head_format, vocab_out;
     int32_t num_layers, width, heads, kv_heads, dim, inter, block_size, threads;
+    int32_t act;                  /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation; fp32 steps only) */
     float final_eps, eps, scale;
 } step_args;
 
