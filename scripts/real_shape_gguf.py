@@ -7,7 +7,8 @@ writes is noise; the cost of a token, the memory and the load time are a real mo
 DIR is what ../shared/baselines/build_llama_cpp.sh DIR built (its llama.cpp sources and build/bin); the converter
 also wants `sentencepiece` in this Python (`pip install sentencepiece`: a tool's need, not tuichat's). The tokenizer
 is the embedded model's (SmolLM2's, from its GGUF); the vocabulary keeps the real model's size (the converter
-pads it), so the embedding and the output layer cost what the real ones do.
+pads it, or this script pads the tokenizer with unreachable tokens), so the embedding and the output layer cost
+what the real ones do.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def checkpoint(shape: str, folder: Path) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    pad_vocabulary(folder / "tokenizer.json", config.vocab_size)
+
+
+def pad_vocabulary(path: Path, size: int) -> None:
+    """Unreachable tokens appended to the tokenizer up to the model's vocabulary size: converters that cut the
+    embedding to the tokenizer's length (Gemma 3's) then keep every row, as the real model's file has them."""
+    import json
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    used = max([*vocab.values(), *(token["id"] for token in data["added_tokens"])]) + 1
+    vocab.update({f"<unused{i}>": used + i for i in range(size - used)})
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
 def main() -> None:

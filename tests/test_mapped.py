@@ -68,7 +68,7 @@ def gemma3_reference(weights: dict[str, np.ndarray], hidden: int, inter: int) ->
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=GEMMA_LAYERS,
+        vocab_size=len(weights["model.embed_tokens.weight"]), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=GEMMA_LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=GEMMA_HEAD_DIM,
         query_pre_attn_scalar=GEMMA_HEAD_DIM, max_position_embeddings=2048, rms_norm_eps=1e-6,
         sliding_window=GEMMA_WINDOW, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
@@ -87,7 +87,7 @@ def reference_model(weights: dict[str, np.ndarray], hidden: int, inter: int, arc
     if arch == "gemma3":
         return gemma3_reference(weights, hidden, inter)
     config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
-    config = config_class(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
+    config = config_class(vocab_size=len(weights["model.embed_tokens.weight"]), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=hidden // HEADS,
                           max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     reference = model_class(config).eval()
@@ -511,3 +511,16 @@ def test_a_file_copied_elsewhere_reuses_its_metadata_cache(kernel, plain, tmp_pa
     _, tokenizer = mapped.load(other.path, kernel, cache)
     assert entered == [other.path] and len(list(cache.iterdir())) == 2
     assert tokenizer.chat_template == template
+
+
+def test_a_vocabulary_of_rows_not_a_multiple_of_16_is_served_whole(kernel, tmp_path):
+    """323 rows (a llama with pad tokens added has 32001): the kernels' lm_head gets zero rows, which no logit
+    shows, in the C steps and in the load's probe alike."""
+    tiny = write_tiny(tmp_path, extra_tokens=3)
+    sequences, want = float32_continuations(tiny.reference)
+    assert want.shape[1] == VOCAB + 3
+    served = engine(tiny, kernel, prefix_cache=False)
+    assert served.layers == "C"
+    errors, agreement = teacher_forced_error(served, sequences, want)  # shapes must agree to subtract
+    served.close()
+    assert errors.max() < BOUNDS["plain"][0] and agreement >= 0.9

@@ -61,7 +61,7 @@ def llama_cpp_order(n_rows: int, heads: int) -> np.ndarray:
 def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FORMAT, hidden: int = HIDDEN,
                inter: int = INTER, formats: list[dict[str, int]] = FORMATS,
                chat_template: str | None = None, embedding_format: int | None = None,
-               rope_freqs: np.ndarray | None = None, arch: str = "llama") -> dict[str, np.ndarray]:
+               rope_freqs: np.ndarray | None = None, arch: str = "llama", extra_tokens: int = 0) -> dict[str, np.ndarray]:
     """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32; token_embd
     in `embedding_format`, None: F32); returns its float32 weights by transformers' names as the file stores
     them (linears dequantized by gguf itself, Q and K back in the model's row order). `rope_freqs` (head_dim / 2
@@ -70,7 +70,8 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     a Qwen3 file instead (Q and K in the model's own order, as its converter leaves them; each layer's q_norm and
     k_norm F32 tensors over a head's dim). "gemma3": a Gemma 3 file (GEMMA_*; `formats` cycled over its layers;
     no output tensor: the lm_head is token_embd; q/k norms and the four norms of a Gemma layer, stored as
-    convert_hf_to_gguf stores them, 1 + transformers' weight)."""
+    convert_hf_to_gguf stores them, 1 + transformers' weight). `extra_tokens`: that many user-defined tokens after
+    the VOCAB others (and as many more rows in the embedding and the output)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -100,14 +101,15 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(GEMMA_ROPE_FACTOR)
     writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
-    writer.add_vocab_size(VOCAB)
+    vocab = VOCAB + extra_tokens
+    writer.add_vocab_size(vocab)
     # transformers builds the tokenizer from these: the 256 byte symbols, 63 merges, one control token.
     symbols = list(bytes_to_unicode().values())
     merges = [(symbols[i], symbols[i + 32]) for i in range(65, 128)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(symbols + [a + b for a, b in merges] + ["<|endoftext|>"])
-    writer.add_token_types([1] * (VOCAB - 1) + [3])
+    writer.add_token_list(symbols + [a + b for a, b in merges] + ["<|endoftext|>"] + [f"<extra{i}>" for i in range(extra_tokens)])
+    writer.add_token_types([1] * (VOCAB - 1) + [3] + [4] * extra_tokens)
     writer.add_token_merges([f"{a} {b}" for a, b in merges])
     writer.add_eos_token_id(VOCAB - 1)
     if chat_template is not None:
@@ -127,7 +129,7 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
         weights[hf_name] = dequantize(blocks, GGMLQuantizationType(format))
         writer.add_tensor(name, blocks if rows is None else blocks[rows], raw_dtype=GGMLQuantizationType(format))
 
-    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32),
+    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((vocab, hidden), dtype=np.float32),
         embedding_format)
     for i, layer in enumerate(formats):
         for name, format in layer.items():
@@ -148,7 +150,7 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
                 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
     add("output_norm.weight", "model.norm.weight", 1 + 0.2 * rng.standard_normal(hidden, dtype=np.float32))
     if not gemma:
-        add("output.weight", "lm_head.weight", rng.standard_normal((VOCAB, hidden), dtype=np.float32) * 0.08, output_format)
+        add("output.weight", "lm_head.weight", rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.08, output_format)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()

@@ -230,11 +230,14 @@ def as_gguf_reader(file: GGUFFile) -> Iterator[None]:
 
 def _as_llama_cpp_reads_it(file: GGUFFile, config) -> None:
     """What transformers' GGUF mapping leaves at its config's defaults, set as llama.cpp reads the file: linear
-    RoPE scaling (Gemma 3's full layers; a flat config's only kind), and Gemma 3's attention scale, 1/sqrt(head
-    size), but 1/sqrt(hidden / heads) for its 62-layer 27B."""
+    RoPE scaling (Gemma 3's full layers; a flat config's only kind), the sliding layers' RoPE base where the file
+    gives it, and Gemma 3's attention scale, 1/sqrt(head size), but 1/sqrt(hidden / heads) for its 62-layer 27B."""
     arch = file.architecture
     kind, factor = file.fields.get(f"{arch}.rope.scaling.type"), file.fields.get(f"{arch}.rope.scaling.factor")
     rope = getattr(config, "rope_parameters", None)
+    local_base = file.fields.get(f"{arch}.rope.freq_base_swa")
+    if local_base and isinstance(rope, dict) and "sliding_attention" in rope:
+        rope["sliding_attention"]["rope_theta"] = float(local_base)
     if kind == "linear" and factor and float(factor) != 1.0 and isinstance(rope, dict):
         scaled = rope.get("full_attention", rope)
         if scaled.get("rope_type", "default") == "default":

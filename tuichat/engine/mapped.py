@@ -36,16 +36,18 @@ _SHIFTED_NORMS = ("gemma3",)
 
 
 class PackedLinear(nn.Module):
-    """A linear over a quant.PackedWeight, through the CPU kernels (bf16 or fp32 in, the same out)."""
+    """A linear over a quant.PackedWeight, through the CPU kernels (bf16 or fp32 in, the same out); its first
+    `out_features` outputs where the weight has rows of padding."""
 
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, kernel) -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, kernel, out_features: int | None = None) -> None:
         super().__init__()
         self.packed, self.kernel = weight, kernel
-        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.in_features, self.out_features = weight.in_features, out_features or weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear(x, self.packed, self.bias)
+        y = self.kernel.linear(x, self.packed, self.bias)
+        return y if self.out_features == self.packed.out_features else y[..., :self.out_features]
 
 
 class MappedEmbedding(nn.Module):
@@ -113,14 +115,24 @@ def _dequantized(file: GGUFFile, name: str) -> np.ndarray:
     return _float32(file.array(name), file.tensors[name].type)
 
 
+# The kernels take weights of a multiple of this many rows; an lm_head of another vocabulary size (32001 rows:
+# a llama with a pad token added) gets rows of zeros, whose logits are cut off.
+ROW_MULTIPLE = 16
+
+
 def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = None) -> PackedWeight:
-    """Tensor `name` as the kernels will read it (see the module's docstring), its rows reordered by `rows`."""
+    """Tensor `name` as the kernels will read it (see the module's docstring), its rows reordered by `rows`, and
+    padded with zeros to a multiple of ROW_MULTIPLE."""
     info = file.tensors[name]
     out_features, in_features = info.shape
     blocks = file.array(name)
     qtype = info.type
     if rows is not None:
         blocks = blocks[rows]  # a copy
+    padding = -out_features % ROW_MULTIPLE
+    if padding:  # a copy; zero bytes are zero weights in every format (their scales are 0)
+        blocks = np.concatenate([blocks, np.zeros((padding, *blocks.shape[1:]), dtype=blocks.dtype)])
+        out_features += padding
     if qtype in quant.IN_PLACE and out_features % 4 == 0 and kernel.layout(qtype, in_features) == "in place":
         with warnings.catch_warnings():  # a read-only map: torch warns that writes would fail; none are made
             warnings.simplefilter("ignore", UserWarning)
@@ -132,8 +144,8 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = N
             return PackedWeight(kernel.pack(source, format, in_features), format, out_features, in_features)
         except ValueError:  # a layout these kernels do not take: the next, or bf16
             continue
-    values = _dequantized(file, name)
-    return PackedWeight.of(_to_bf16(values if rows is None else values[rows]))
+    values = _float32(blocks, qtype)
+    return PackedWeight.of(_to_bf16(values))
 
 
 def _exact(file: GGUFFile, name: str) -> torch.Tensor:
@@ -179,8 +191,10 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
             if bias_name is not None:
                 values = _dequantized(file, bias_name)
                 bias = _to_bf16(values if rows is None else values[rows])
+                bias = torch.cat([bias, bias.new_zeros(weight.out_features - len(bias))])  # padded as the weight
             parent, _, leaf = module_name.rpartition(".")
-            (model.get_submodule(parent) if parent else model).add_module(leaf, PackedLinear(weight, bias, kernel))
+            linear = PackedLinear(weight, bias, kernel, file.tensors[gguf_name].shape[0])
+            (model.get_submodule(parent) if parent else model).add_module(leaf, linear)
             mapped.packed[module_name] = weight
             if weight.format in quant.IN_PLACE and rows is None:
                 mapped.in_place_bytes += weight.bytes

@@ -369,6 +369,7 @@ class NativeDecoder:
         head = model.lm_head
         # The lm_head through our linear too where it fits (a row's logits then never depend on its batch).
         self.head = packed.get("lm_head") or (PackedWeight.of(head.weight) if CpuKernels.fits(head.weight, head.bias) else None)
+        self.vocab = head.out_features  # the head's weight may have rows of padding after these (mapped.py)
         check_abi(kernel)
         self._fn = kernel.library.decoder_step
         self._fn.restype = ctypes.c_int
@@ -503,7 +504,7 @@ class NativeDecoder:
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is None:
             return self.model.lm_head(x.to(self.model.lm_head.weight.dtype))
-        return self.kernel.linear(x, self.head, self.model.lm_head.bias)
+        return self.kernel.linear(x, self.head, self.model.lm_head.bias)[..., :self.vocab]
 
     @torch.inference_mode()
     def execute(self, chunks) -> torch.Tensor | None:
@@ -563,7 +564,7 @@ class NativeDecoder:
         if not sample_rows:
             return None
         if logits is not None:
-            return logits
+            return logits if logits.shape[1] == self.vocab else logits[:, :self.vocab]
         if last is None:
             last = self.model.model.norm(hidden[sample_rows])
         return self.lm_head(last).float()
