@@ -456,6 +456,23 @@ def test_recut_blocks_of_32_are_ggufs_own_weights(qtype):
     assert np.array_equal(decode_recut(recut, quant.RECUT[qtype]), dequantize(blocks, GGMLQuantizationType(qtype)))
 
 
+@pytest.mark.parametrize("qtype", [Q5_0, Q5_1])
+def test_the_kernels_recut_5_bit_blocks_as_numpy_does(kernels, qtype):
+    """recut_5bit (pack.c, what a load uses) byte for byte quant.recut's, on scales of every kind: normal,
+    subnormal, zero and negative halves."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(qtype)
+    blocks = quantize(rng.standard_normal((48, 768), dtype=np.float32), GGMLQuantizationType(qtype))
+    per = blocks.reshape(-1, 22 if qtype == Q5_0 else 24)
+    halves = np.array([1e-7, 0.0, -3.5, 6e-5, -1e-6], dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    per[:len(halves), 0:2] = halves  # d
+    if qtype == Q5_1:
+        per[len(halves):2 * len(halves), 2:4] = halves  # m
+    assert np.array_equal(kernels.recut(blocks, qtype), quant.recut(blocks, qtype))
+
+
 def test_k_quants_are_served_in_blocks_as_close_to_float32_as_the_other_formats(kernels, tiny_k):
     """Where the kernels take the re-cut formats (the 512-bit VNNI tiles), the step reads them and is as
     close to the float32 model over the file's weights as Q4_0/Q4_1/Q8_0 are (the bounds of the test above);

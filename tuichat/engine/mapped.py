@@ -140,7 +140,7 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = N
         return PackedWeight(data, qtype, out_features, in_features)
     for format in ([qtype] if qtype in quant.BLOCK_BYTES else []) + ([quant.RECUT[qtype]] if qtype in quant.RECUT else []):
         try:
-            source = np.ascontiguousarray(blocks) if format == qtype else quant.recut(np.ascontiguousarray(blocks), qtype)
+            source = np.ascontiguousarray(blocks) if format == qtype else kernel.recut(blocks, qtype)
             return PackedWeight(kernel.pack(source, format, in_features), format, out_features, in_features)
         except ValueError:  # a layout these kernels do not take: the next, or bf16
             continue

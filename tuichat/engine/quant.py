@@ -198,7 +198,7 @@ def from_gguf(path: str | Path, model, kernel) -> dict[str, PackedWeight]:
         if rows is None:
             continue
         blocks = np.ascontiguousarray(blocks[rows])
-        blocks = recut(blocks, qtype) if format != qtype else blocks
+        blocks = kernel.recut(blocks, qtype) if format != qtype else blocks
         try:
             data = kernel.pack(blocks, format, in_features)
         except ValueError:  # a format these kernels do not take (re-cut ones off the 512-bit VNNI path): bf16

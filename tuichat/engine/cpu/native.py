@@ -46,6 +46,8 @@ class CpuKernels:
         library.pack_layout.argtypes = [ctypes.c_int, ctypes.c_int]
         library.pack_blocks.restype = ctypes.c_int
         library.pack_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        library.recut_5bit.restype = ctypes.c_int
+        library.recut_5bit.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
         self._draw = library.sample_row
         self._draw.restype = ctypes.c_int
         self._draw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_float] * 4 + [
@@ -95,6 +97,17 @@ class CpuKernels:
         out = torch.empty(blocks.shape, dtype=torch.uint8)
         if self.library.pack_blocks(blocks.ctypes.data, format, blocks.shape[0], in_features, out.data_ptr()) != 0:
             raise ValueError(f"the CPU kernels do not take format {format} with {in_features} inputs")
+        return out
+
+    def recut(self, blocks, qtype: int):
+        """quant.recut's output (a uint8 array [N, K / 32 * 40] for Q5_0/Q5_1), in C; quant.recut's own for the
+        K-quants."""
+        if qtype not in (6, 7):
+            return quant.recut(blocks, qtype)
+        blocks = np.ascontiguousarray(blocks)
+        out = np.empty((blocks.shape[0], blocks.shape[1] // (22 if qtype == 6 else 24) * 40), dtype=np.uint8)
+        if self.library.recut_5bit(blocks.ctypes.data, qtype, out.size // 40, out.ctypes.data) != 0:
+            raise ValueError(f"recut_5bit does not take type {qtype}")
         return out
 
     def draw(self, row, params, u: float, reply: list[int] | None = None) -> int:

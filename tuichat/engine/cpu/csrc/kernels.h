@@ -195,6 +195,7 @@ int scratch_linear(scratch *s, const void *x, const void *w, int format, const u
 const char *quant_math(int format, int K);
 const char *pack_layout(int format, int K);
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst);
+int recut_5bit(const uint8_t *src, int qtype, long blocks, uint8_t *dst);
 const char *kernel_isa(void);
 
 /* sampler.c */
