@@ -27,7 +27,7 @@ from tuichat.bench.peers.tuichat import _Tuichat
 from tuichat.cli import main
 
 TINY = dict(tabs=2, turns=2, single_tokens=4, tab_tokens=4, turn_tokens=6, probe_tokens=3, single_prompts=1,
-            probes=1, stagger_ms=200, bandwidth_mb=16, spec_tokens=24)
+            probes=1, stagger_ms=200, bandwidth_mb=16, spec_tokens=24, prefill_tokens=96, prefill_repeats=1)
 # stagger_ms: the second tab must arrive once the first one's step has begun, or both are admitted in the
 # same step and neither finds the other's system prompt cached (an idle engine first starts its thread).
 FAST_PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch")
@@ -36,6 +36,7 @@ REQUIRED = [
     "model", "device", "dtype", "floor.tuichat.decode_step_ms", "floor.transformers.decode_step_ms",
     "scenarios.single.tuichat.ttft_ms", "scenarios.single.tuichat.decode_tokens_per_s",
     "scenarios.single.bare_forward_ms", "scenarios.single.tuichat_sampled.decode_tokens_per_s",
+    "scenarios.prefill.tuichat.ttft_ms", "scenarios.prefill.tuichat.prompt_tokens_per_s",
     "scenarios.tabs.tuichat.tokens_per_s", "scenarios.tabs.tuichat.ttft_ms_p50", "scenarios.tabs.tuichat.ttft_ms_p90",
     "scenarios.tabs.tuichat.itl_ms_p50", "scenarios.tabs.tuichat.itl_ms_p90",
     "scenarios.tabs.modes.continuous.tokens_per_s", "scenarios.tabs.modes.static.tokens_per_s",
@@ -178,6 +179,15 @@ def test_speculative_compares_off_and_auto_on_the_same_replies(run):
     assert [t["name"] for t in run[0]["targets"] if t["name"].startswith("speculative")] and "speculative ·" in bench.render(run[0])
 
 
+def test_prefill_sends_a_prompt_of_at_least_the_asked_length(run, embedded):
+    prefill = run[0]["scenarios"]["prefill"]
+    assert TINY["prefill_tokens"] <= prefill["prompt_tokens"] < TINY["prefill_tokens"] + 64  # whole sentences
+    assert len(prefill["tuichat"]["ttft_ms_each"]) == TINY["prefill_repeats"]
+    assert prefill["tuichat"]["prompt_tokens_per_s"] == pytest.approx(
+        prefill["prompt_tokens"] / prefill["tuichat"]["ttft_ms"] * 1000)
+    assert "prefill · one prompt of" in bench.render(run[0])
+
+
 def test_interference_probes_while_others_decode(run):
     inter = run[0]["scenarios"]["interference"]
     assert inter["decoding_at_submit"] and all(n >= 1 for n in inter["decoding_at_submit"])
@@ -186,7 +196,7 @@ def test_interference_probes_while_others_decode(run):
 
 def test_no_llama_server_is_a_skip_note_with_a_build_hint(run):
     result = run[0]
-    for scenario in ("single", "tabs", "multiturn"):
+    for scenario in ("single", "prefill", "tabs", "multiturn"):
         skipped = result["scenarios"][scenario]["peers"]["llama_cpp"]["skipped"]
         assert "no executable llama-server at /nonexistent/llama-server" in skipped
         assert "cmake --build build --target llama-server" in skipped and "GGML_AMX_TILE=OFF" in skipped
@@ -238,14 +248,15 @@ def test_llama_server_peer_on_loopback(embedded, session_cache, monkeypatch):
 
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
     servers = record_servers(monkeypatch)
-    settings = bench.BenchSettings.make(True, scenarios=("single", "tabs", "multiturn"), peers=("llama_cpp",),
+    settings = bench.BenchSettings.make(True, scenarios=("single", "prefill", "tabs", "multiturn"), peers=("llama_cpp",),
                                         llama_server=LLAMA_SERVER, **TINY)
     result = bench.run_bench(settings, io.StringIO(), show_progress=False)
     assert len(servers) == 1 and servers[0].process.poll() is not None  # started once, stopped
     assert servers[0].command[servers[0].command.index("-np") + 1] == str(TINY["tabs"])
     sc = result["scenarios"]
-    single, tabs, multi = (sc[name]["peers"]["llama_cpp"] for name in ("single", "tabs", "multiturn"))
+    single, prefill, tabs, multi = (sc[name]["peers"]["llama_cpp"] for name in ("single", "prefill", "tabs", "multiturn"))
     assert positive(single["ttft_ms"]) and positive(single["decode_tokens_per_s"])
+    assert positive(prefill["prompt_tokens_per_s"]) and len(prefill["ttft_ms_each"]) == TINY["prefill_repeats"]
     assert tabs["requests"] == TINY["tabs"] and positive(tabs["tokens_per_s"]) and positive(tabs["ttft_ms_p50"])
     assert len(multi["ttft_ms"]) == TINY["turns"] and all(positive(t) for t in multi["ttft_ms"])
     assert multi["cached_fraction"][1] > 0.5  # the slot kept the history
@@ -378,7 +389,7 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
         assert op == {"higher": ">=", "lower": "<="}[better], t["name"]
         assert t["ok"] is (value >= float(bound) if better == "higher" else value <= float(bound)), t["name"]
     llama = [t for t in targets if "llama_cpp" in t["name"]]  # no llama-server in this run: nothing to say
-    assert len(llama) == 3 and all(t["value"] is None and t["ok"] is None for t in llama)
+    assert len(llama) == 4 and all(t["value"] is None and t["ok"] is None for t in llama)
     served = [t for t in targets if "tuichat serve" in t["name"]]  # nor tuichat serve (its own test runs it)
     assert len(served) == 2 and all(t["value"] is None and t["ok"] is None for t in served)
 
@@ -386,7 +397,7 @@ def test_targets_are_the_scenarios_ratios_and_say_whether_each_holds(run):
 def test_table_renders_every_scenario_and_the_progress_went_to_stderr(run):
     result, progress, _ = run
     table = bench.render(result)
-    for title in ("single", "tabs", "multiturn", "shared_prefix", "interference", "floor at", "targets"):
+    for title in ("single", "prefill", "tabs", "multiturn", "shared_prefix", "interference", "floor at", "targets"):
         assert title in table
     weights = result["floor"]["tuichat"]["weights"]
     assert weights == result["weights"] and f"weights {weights}" in table.splitlines()[0]

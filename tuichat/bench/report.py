@@ -33,6 +33,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, reported (never asserted): value, bound, and whether it holds."""
     sc = result.get("scenarios", {})
     single, tabs, multi, inter = sc.get("single", {}), sc.get("tabs", {}), sc.get("multiturn", {}), sc.get("interference", {})
+    prefill = sc.get("prefill", {})
     spec = sc.get("speculative", {})
     rows = [
         ("tabs: continuous tok/s ÷ hf_static_batch", _get(tabs, "peers.hf_static_batch.tuichat_over"), ">=", 1.5),
@@ -46,6 +47,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ("single: decode tok/s ÷ llama_cpp",
          ratio(_get(single, "tuichat.decode_tokens_per_s"), _get(single, "peers.llama_cpp.decode_tokens_per_s")), ">=", 1.0),
         ("single: TTFT ÷ llama_cpp", ratio(_get(single, "tuichat.ttft_ms"), _get(single, "peers.llama_cpp.ttft_ms")), "<=", 0.5),
+        ("prefill: ~1k-token prompt, tokens/s ÷ llama_cpp", ratio(_get(prefill, "tuichat.prompt_tokens_per_s"),
+                                                                 _get(prefill, "peers.llama_cpp.prompt_tokens_per_s")), ">=", 2.0),
         ("tabs: continuous tok/s ÷ llama_cpp (parallel slots)", _get(tabs, "peers.llama_cpp.tuichat_over"), ">=", 3.0),
         ("tabs: over HTTP (tuichat serve) ÷ in process, tok/s",
          ratio(_get(tabs, "peers.tuichat_serve.tokens_per_s"), _get(tabs, "tuichat.tokens_per_s")), ">=", 0.9),
@@ -149,6 +152,18 @@ def _single(s: dict[str, Any]) -> list[RenderableType]:
     return lines
 
 
+def _prefill(s: dict[str, Any]) -> list[RenderableType]:
+    t = s["tuichat"]
+    rows = [["tuichat", _fmt(t["ttft_ms"], 0), _fmt(t["prompt_tokens_per_s"], 0), ""]]
+    for name, p in s["peers"].items():
+        rows.append(_skipped(name, 4) if "skipped" in p else
+                    [name, _fmt(p["ttft_ms"], 0), _fmt(p["prompt_tokens_per_s"], 0),
+                     _x(ratio(t["prompt_tokens_per_s"], p["prompt_tokens_per_s"]))])
+    return [Text(f"prefill · one prompt of {s['prompt_tokens']} tokens, its first token only, median of {s['repeats']} "
+                 "(prefix cache off)", style="bold"),
+            _table(["", "TTFT ms", "prompt tok/s", "tok/s ÷"], rows)]
+
+
 def _tabs(s: dict[str, Any]) -> list[RenderableType]:
     headers = ["", "tok/s", "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "TPOT p50", "tokens", "in flight", "tuichat ÷"]
     rows = []
@@ -219,7 +234,7 @@ def _speculative(s: dict[str, Any]) -> list[RenderableType]:
 
 
 UNWRAPPED = 1000  # the width of a file or a pipe: wider than any table, so none is wrapped
-SECTIONS = {"single": _single, "tabs": _tabs, "multiturn": _multiturn, "shared_prefix": _shared_prefix,
+SECTIONS = {"single": _single, "prefill": _prefill, "tabs": _tabs, "multiturn": _multiturn, "shared_prefix": _shared_prefix,
             "interference": _interference, "speculative": _speculative}
 MARKS = {True: ("ok  ", "green"), False: ("MISS", "bold red"), None: ("n/a ", "dim")}
 

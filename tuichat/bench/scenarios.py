@@ -3,6 +3,8 @@
 - single         one conversation: TTFT, ITL, decode tok/s; plus a bare transformers forward over the same
                  prompt tokens, so the engine's overhead shows as a ratio (the prefix cache is off here, so the
                  engine computes every prompt token, like the bare forward).
+- prefill        one prompt of ~1k tokens (the pasted document, repeated), its first token only, prefix cache off:
+                 TTFT and prompt tokens per second, against llama.cpp's on the same ids.
 - tabs           N conversations arriving `stagger_ms` apart, natural reply lengths (EOS on, capped), once per
                  batching mode (continuous, static, off).
 - multiturn      one conversation of K turns about a pasted text, history growing with the model's real replies;
@@ -34,6 +36,7 @@ from tuichat import catalog
 from tuichat.backends.local import chat_ids
 from tuichat.backends.protocol import Message, SamplingParams, TuichatError, chat_sampling
 from tuichat.bench.corpus import (
+    DOCUMENT,
     FIRST_TURN,
     FOLLOW_UPS,
     GROUNDED_PROMPTS,
@@ -91,6 +94,12 @@ class _Run:
         self.dtype = loader.resolve_dtype(settings.options.dtype, self.device, loader.family(self.resolved),
                                           self.resolved.kind == "gguf")
         self.torch = torch
+        # A GGUF tuichat serves from its file, with no transformers peer asked for (`--peers llama_cpp`): the
+        # tokenizer, floor and bare forward come from transformers' layers over the same blocks, with no converted
+        # bf16 copy (a minute and gigabytes at 1B). The transformers peers themselves run the converted model.
+        o = settings.options
+        self.mapped = (loader.in_place(self.resolved, self.device, self.dtype, o.quant, o.tp, o.device_map)
+                       and not any(peer.startswith("hf_") for peer in settings.peers))
         self.peer: HFPeer | None = None
         self.bandwidth: float | None = None
         self.llama: LlamaServerPeer | None = None
@@ -147,12 +156,13 @@ class _Run:
         """The bandwidth, and the floor of transformers' dense weights; tuichat's is added by tuichat_floor."""
         with self.step("floor: weights and memory bandwidth"):
             self.peer = on_own_thread(HFPeer, self.resolved, self.device, self.dtype, self.settings.options.device_map,
-                                      self.settings.options.max_batched_tokens)
+                                      self.settings.options.max_batched_tokens, self.mapped)
             self.bandwidth = on_own_thread(measure_bandwidth, self.device, self.settings.bandwidth_mb)
         return {
             "bandwidth_gb_s": self.bandwidth / 1e9,
             "tuichat": None,
-            "transformers": step_floor(str(self.dtype).removeprefix("torch."), self.peer.weight_bytes(), self.bandwidth),
+            "transformers": step_floor("the file's blocks" if self.mapped else str(self.dtype).removeprefix("torch."),
+                                       self.peer.weight_bytes(), self.bandwidth),
             "note": "weights read once per decode step at the measured bandwidth; KV reads and compute not counted",
         }
 
@@ -213,6 +223,33 @@ class _Run:
                 out["peers"]["llama_cpp"] = self.with_llama(
                     lambda llama: self._single_summary([llama.generate(p, s.single_tokens) for p in prompts]))
         return out
+
+    def prefill(self) -> dict[str, Any]:
+        s = self.settings
+        sentences = [f"{sentence.strip()}." for sentence in DOCUMENT.split(".") if sentence.strip()]
+        text, i = "Read this text, then say in one word what it is about.\n\n", 0
+        while len(self.ids([Message("user", text)])) < s.prefill_tokens:
+            text += sentences[i % len(sentences)] + " "
+            i += 1
+        messages = [Message("user", text)]
+        prompt = self.ids(messages)
+        params = SamplingParams(max_tokens=1)
+        with self.step("prefill · tuichat"), \
+                self.tuichat(batching="continuous", prefix_cache=False, speculate="off") as tc:
+            ours = [tc.run(stream_once, f"prefill-{i}", messages, params) for i in range(s.prefill_repeats)]
+        out: dict[str, Any] = {"prompt_tokens": len(prompt), "repeats": s.prefill_repeats, "prefix_cache": False,
+                               "tuichat": self._prefill_summary(ours, len(prompt)), "peers": {}}
+        if self.wants("llama_cpp"):
+            with self.step("prefill · llama_cpp"):  # cache_prompt off: every prompt token computed
+                out["peers"]["llama_cpp"] = self.with_llama(lambda llama: self._prefill_summary(
+                    [llama.generate(prompt, 1) for _ in range(s.prefill_repeats)], len(prompt)))
+        return out
+
+    @staticmethod
+    def _prefill_summary(results: Sequence[RequestResult], tokens: int) -> dict[str, Any]:
+        ttft = median([r.ttft_ms for r in results])
+        return {"ttft_ms": ttft, "ttft_ms_each": [r.ttft_ms for r in results],
+                "prompt_tokens_per_s": tokens / ttft * 1000 if ttft else None}
 
     @staticmethod
     def _single_summary(results: Sequence[RequestResult]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """What a run measures and with which caps: `BenchSettings`, the `--scenarios`/`--peers` lists, and the run's
 steps for the progress bar.
 
+The prefill scenario sends one prompt of ~1,024 tokens for its first token only (3 times; 2 with `--quick`).
 Caps: 64 tokens per single reply, 128 per tab reply, 96 per turn and per speculative reply, 8 tabs, 8 turns.
 `--quick`: 3 single prompts of <= 32 tokens, 4 turns of <= 48 tokens (a shorter history), speculative replies of <=
 64, and no transformers TTFT per turn (in the full run, it shows a peer that recomputes the history every turn); the
@@ -18,7 +19,7 @@ from typing import Any
 from tuichat import catalog
 from tuichat.backends.protocol import EngineOptions, TuichatError
 
-SCENARIOS = ("single", "tabs", "multiturn", "shared_prefix", "interference", "speculative")
+SCENARIOS = ("single", "prefill", "tabs", "multiturn", "shared_prefix", "interference", "speculative")
 PEERS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "llama_cpp", "tuichat_serve")
 MODES = ("continuous", "static", "off")
 
@@ -38,6 +39,8 @@ class BenchSettings:
     probe_tokens: int = 4  # TTFT-only requests (cache-off replay, shared prefix, interference probes)
     spec_tokens: int = 96  # cap of each reply in the speculative scenario (a rewritten paragraph is ~80)
     single_prompts: int = 3  # single: medians over this many questions
+    prefill_tokens: int = 1024  # prefill: the prompt's length (about: whole sentences of the corpus' document)
+    prefill_repeats: int = 3  # prefill: TTFT medians over this many sends of it
     sequential_peer_prompts: int = 4  # hf_generate, one at a time, runs this many of the tab prompts (tok/s per request)
     multiturn_peer: bool = True  # transformers generate's TTFT per turn (it recomputes the whole history)
     probes: int = 3  # interference: probes idle and loaded
@@ -51,7 +54,7 @@ class BenchSettings:
         # Quick keeps tabs' full reply cap: a short reply ends before the later tabs arrive, so few tabs overlap
         # and tok/s measures the arrival schedule more than batching (`in_flight_mean` shows how many did). The
         # one-at-a-time peer, slow at that length, runs two prompts instead.
-        base = dict(turns=4, single_tokens=32, turn_tokens=48, single_prompts=3, sequential_peer_prompts=2,
+        base = dict(turns=4, single_tokens=32, turn_tokens=48, single_prompts=3, sequential_peer_prompts=2, prefill_repeats=2,
                     multiturn_peer=False, bandwidth_mb=256, spec_tokens=64) if quick else {}
         base.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(quick=quick, **base)
@@ -68,7 +71,7 @@ class BenchSettings:
     @property
     def llama_slot_ctx(self) -> int:
         """llama-server's context per slot (one slot per tab; -c is split across them): room for the history."""
-        return 1024 * math.ceil((1024 + self.turns * (self.turn_tokens + 64)) / 1024)
+        return 1024 * math.ceil(max(1024 + self.turns * (self.turn_tokens + 64), self.prefill_tokens + 256) / 1024)
 
     def engine_options(self, **changes: Any) -> EngineOptions:
         options = self.options
@@ -99,6 +102,8 @@ def plan(settings: BenchSettings) -> list[str]:
     if "single" in settings.scenarios:
         steps += ["single · tuichat, bare forward, hf_generate"]
         steps += ["single · llama_cpp"] if "llama_cpp" in settings.peers else []
+    if "prefill" in settings.scenarios:
+        steps += ["prefill · tuichat"] + (["prefill · llama_cpp"] if "llama_cpp" in settings.peers else [])
     if "tabs" in settings.scenarios:
         steps += [f"tabs · tuichat {m}" for m in MODES] + [f"tabs · {p}" for p in settings.peers]
     if "multiturn" in settings.scenarios:

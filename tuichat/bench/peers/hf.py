@@ -18,7 +18,9 @@ class HFPeer:
     """The model through plain transformers: generate, a padded static batch, generate_batch, a bare forward."""
 
     def __init__(self, resolved, device, dtype, device_map: str | None = None,
-                 max_batched_tokens: int | None = None) -> None:
+                 max_batched_tokens: int | None = None, mapped: bool = False) -> None:
+        """`mapped`: a GGUF tuichat serves from its file (loader.in_place): transformers' layers then run over
+        the same blocks, read in place by tuichat's kernels, instead of a converted bf16 copy."""
         import torch
 
         from tuichat.engine import loader
@@ -27,7 +29,7 @@ class HFPeer:
         self.torch = torch
         # The same per-step token budget as tuichat's engine default (512 on a CPU, 8192 on CUDA).
         self.max_batched_tokens = max_batched_tokens or (8192 if torch.device(device).type == "cuda" else 512)
-        self.model, self.tokenizer = loader.load(resolved, device, dtype, device_map)
+        self.model, self.tokenizer = loader.load(resolved, device, dtype, device_map, mapped=mapped)
         self.device = next(self.model.parameters()).device
         self.eos = sorted(eos_token_ids(self.model, self.tokenizer))  # the set the engine stops on
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
@@ -35,6 +37,9 @@ class HFPeer:
 
     # weights and time
     def weight_bytes(self) -> int:
+        mapped = getattr(self.model, "tuichat_mapped", None)
+        if mapped is not None:  # the linears' blocks (the embedding: only its rows a step looks up)
+            return sum(w.bytes for w in mapped.packed.values())
         seen, total = set(), 0
         for p in self.model.parameters():  # tied embeddings / lm_head are read once per step
             if p.data_ptr() not in seen:
