@@ -179,6 +179,12 @@ def test_speculative_compares_off_and_auto_on_the_same_replies(run):
     assert [t["name"] for t in run[0]["targets"] if t["name"].startswith("speculative")] and "speculative ·" in bench.render(run[0])
 
 
+def test_tuichats_own_load_is_in_the_header(run):
+    loaded = run[0]["memory"]["tuichat"]
+    assert positive(loaded["load_s"]) and loaded["mapped_mb"] >= 0
+    assert f"tuichat: loaded in {loaded['load_s']:.1f} s" in bench.render(run[0])
+
+
 def test_prefill_sends_a_prompt_of_at_least_the_asked_length(run, embedded):
     prefill = run[0]["scenarios"]["prefill"]
     assert TINY["prefill_tokens"] <= prefill["prompt_tokens"] < TINY["prefill_tokens"] + 64  # whole sentences

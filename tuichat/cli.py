@@ -308,7 +308,7 @@ def models() -> None:
 @click.option("--model", "-m", default=None, help="Model spec (default: smollm2-135m, the embedded model).")
 @click.option("--quick", is_flag=True, help="A short run (a minute or two): fewer turns, shorter replies.")
 @click.option("--scenarios", default="all", show_default=True,
-              help="Comma-separated: single,tabs,multiturn,shared_prefix,interference,speculative.")
+              help="Comma-separated: single,prefill,tabs,multiturn,shared_prefix,interference,speculative.")
 @click.option("--tabs", type=click.IntRange(min=1), default=8, show_default=True, help="Conversations at once.")
 @click.option("--stagger-ms", type=click.FloatRange(min=0), default=None,
               help="Gap between tab arrivals [100], for tuichat and the batching peers alike; 0 sends all at once.")

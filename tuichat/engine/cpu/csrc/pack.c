@@ -33,6 +33,7 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
 #endif
     if (from_k_quant(format)) return -1;  /* the tiled path's only */
     int paired = int8_path(format, K);
+    #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {
         const uint8_t *row = src + n * blocks * bytes;
         uint8_t *out = dst + n * blocks * bytes, *scales = out + (long)blocks * q_bytes;

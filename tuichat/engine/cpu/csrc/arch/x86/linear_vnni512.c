@@ -229,6 +229,7 @@ int pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     const int scale = format == FMT_Q4_K_32 || format == FMT_Q5_K_32 ? 4 : 2;
     const int head = k || format == FMT_Q4_1 ? 2 * scale : 2;
     const int quants = byte_quants(format) ? 512 : 256, out_bytes = tiled_block_bytes(format);
+    #pragma omp parallel for schedule(static)  /* a load packs hundreds of MB: both cores */
     for (int t = 0; t < N / TILED_ROWS; t++)
         for (int b = 0; b < blocks; b++) {
             uint8_t *out = dst + ((long)t * blocks + b) * out_bytes;
