@@ -10,7 +10,7 @@ its log-probability of float32's choice is off (|log p(top) error|: llama.cpp's 
 and, where all the logits are at hand, its KL divergence from float32:
 - transformers bf16: the model's own bf16 forward;
 - tuichat, once per --quant mode (default none,auto): none is bf16 (C layers where they run), auto a GGUF's
-  own Q4_1/Q8_0 blocks (int8 dot products), int8 / int4 a dense model's linears quantized at load (Q8_0; Q4_1
+  own blocks, served from the file where LocalBackend would (int8 dot products), int8 / int4 a dense model's linears quantized at load (Q8_0; Q4_1
   with a Q8_0 lm_head; --int4 measures other blocks, int4 once for each), each with the seconds its engine
   took to start (the quantization, or reading the cache it wrote the first time: run twice for both);
 - llama.cpp: the same GGUF through `llama-server` (its own process), one greedy token per position, its
@@ -189,7 +189,9 @@ def main() -> None:
     for i, mode in enumerate(modes):
         if mode == "int4":
             quant.QUANT_FORMATS["int4"] = int4[modes[:i].count("int4")]
-        model, _ = loader.load(resolved, cpu, loader.resolve_dtype("auto", cpu, loader.family(resolved)), with_tokenizer=False)
+        dtype = loader.resolve_dtype("auto", cpu, loader.family(resolved), resolved.kind == "gguf")
+        in_place = loader.in_place(resolved, cpu, dtype, mode)  # a GGUF served from its file, as LocalBackend does
+        model, _ = loader.load(resolved, cpu, dtype, with_tokenizer=False, mapped=in_place)
         config = EngineConfig(quant=mode, prefix_cache=False, quant_cache=loader.quant_cache(resolved, mode),
                               quant_source=loader.checkpoint_dir(resolved))  # as LocalBackend does
         started = time.perf_counter()

@@ -3,6 +3,7 @@ TUI's model picker lists models without paying for the heavy imports."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,7 +45,10 @@ def converted_root() -> Path:
 def _converted_dir(gguf: Path) -> Path:
     """Keyed by the file's content: two fine-tunes of one shape, or a/model.gguf and b/model.gguf, never
     share a conversion, and a byte-identical copy anywhere reuses it."""
-    return converted_root() / _content_hash(gguf.resolve())[:32]
+    try:
+        return converted_root() / _content_hash(gguf.resolve())[:32]
+    except OSError as exc:  # an unreadable file, or a cache dir we cannot write
+        raise TuichatError(f"Could not read {gguf}: {exc.strerror or exc}") from exc
 
 
 _HASH_INDEX = "hashes.json"  # in converted_root(): path -> the size, mtime and sha256 it was hashed at
@@ -117,10 +121,7 @@ def resolve(spec: str) -> ResolvedModel:
 
 
 def _gguf_model(name: str, gguf: Path) -> ResolvedModel:
-    try:
-        return ResolvedModel(name, "gguf", str(gguf), _converted_dir(gguf))
-    except OSError as exc:  # an unreadable file, or a cache dir we cannot write
-        raise TuichatError(f"Could not read {gguf}: {exc.strerror or exc}") from exc
+    return ResolvedModel(name, "gguf", str(gguf), functools.partial(_converted_dir, gguf))
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -172,7 +172,8 @@ class LocalBackend:
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
             serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
-            config = EngineConfig(**serving, quant_cache=quant_cache, quant_source=loader.checkpoint_dir(resolved))
+            config = EngineConfig(**serving, quant_cache=quant_cache,  # (served in place: no checkpoint to key by)
+                                  quant_source=None if in_place else loader.checkpoint_dir(resolved))
             import torch
 
             kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -118,7 +119,13 @@ class ResolvedModel:
     name: str  # canonical name shown to the user
     kind: Literal["gguf", "local", "hub"]
     source: str  # .gguf path, local folder, or hub id
-    converted_dir: Path | None = None  # where a .gguf's conversion is cached
+    converted_at: Callable[[], Path] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def converted_dir(self) -> Path | None:
+        """Where a .gguf's conversion is cached, worked out on first use: it hashes the whole file the first time
+        (seconds for gigabytes), which a GGUF served from its file never needs."""
+        return self.converted_at() if self.converted_at is not None else None
 
 
 @dataclass(frozen=True)
