@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import LONG_PROMPTS, PROMPTS, float32_continuations, replies_independent_of_batching, teacher_forced_error
+from tests.helpers import (
+    LONG_PROMPTS,
+    PROMPTS,
+    float32_continuations,
+    replies_independent_of_batching,
+    teacher_forced_error,
+)
 from tests.tiny_gguf import (
     FORMATS,
     FORMATS_K,

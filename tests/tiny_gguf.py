@@ -72,11 +72,9 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     no output tensor: the lm_head is token_embd; q/k norms and the four norms of a Gemma layer, stored as
     convert_hf_to_gguf stores them, 1 + transformers' weight). `extra_tokens`: that many user-defined tokens after
     the VOCAB others (and as many more rows in the embedding and the output)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from gguf import RopeScalingType
 
     rng = np.random.default_rng(seed)
     gemma = arch == "gemma3"
