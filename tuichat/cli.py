@@ -58,7 +58,7 @@ def _backend(ctx: click.Context, config, options: EngineOptions, model: str | No
     if base_url is not None and (problem := url_problem(base_url)):
         _fail(f"--base-url {problem}.")
     return build(options, model or ctx.obj.get("model"), config.model, config.endpoints, config.models, base_url,
-                 api_key_env or ctx.obj.get("api_key_env"))
+                 api_key_env or ctx.obj.get("api_key_env"), config.model_dirs)
 
 
 def _engine_options(config, *flag_sets: dict) -> EngineOptions:
@@ -289,19 +289,32 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
     options = _engine_options(config, ctx.obj["engine_flags"], engine_flags)
     from tuichat.backends.local import LocalBackend
 
-    backend = LocalBackend(options, model, config.models)
+    backend = LocalBackend(options, model, config.models, config.model_dirs)
     run_server(backend, model, host, port, api_key, config.sampling, log_level)
 
 
 @main.command()
-def models() -> None:
-    """List the models tuichat can open."""
-    from tuichat.catalog import list_models
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object a line: spec, source, path, size_bytes, format, family, quant, parameters, "
+                   "context, runs, reason.")
+def models(as_json: bool) -> None:
+    """List the models tuichat can open: the embedded one, Ollama's store, LM Studio's folders, the Hugging Face
+    cache, config.toml's models and model_dirs; a model it cannot run says why."""
+    import dataclasses
+    import json
+
+    from tuichat.backends.local import LocalBackend
     from tuichat.config import load_config
 
     config, _ = load_config()
-    for info in list_models(config.models):
-        click.echo(f"{info.spec:<40} {info.kind:<10} {info.description}")
+    for info in LocalBackend(extra_models=config.models, model_dirs=config.model_dirs).list_models():
+        if as_json:
+            fields = dataclasses.asdict(info)
+            fields["source"] = {"remote": "endpoint"}.get(fields.pop("kind"), info.kind)
+            click.echo(json.dumps(fields))
+        else:
+            why = f"  [cannot run: {info.reason}]" if info.runs is False and info.reason != info.description else ""
+            click.echo(f"{info.spec:<48} {info.kind:<9} {info.description}{why}")
 
 
 @main.command()

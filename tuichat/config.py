@@ -32,6 +32,7 @@ class Config:
     engine: EngineOptions = field(default_factory=EngineOptions)
     keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, for Textual's App.set_keymap
     models: list[str] = field(default_factory=list)  # extra model specs listed in the model picker
+    model_dirs: list[str] = field(default_factory=list)  # folders whose .gguf files are listed (tuichat.stores)
     endpoints: list[Endpoint] = field(default_factory=list)  # remote OpenAI-compatible servers (NAME:MODEL specs)
 
 
@@ -51,6 +52,10 @@ DEFAULT_CONFIG_TOML = """\
 
 # More models to list in the model picker, next to the ones tuichat finds by itself.
 # models = ["HuggingFaceTB/SmolLM2-360M-Instruct", "~/models/qwen2.5-0.5b-instruct"]
+
+# Folders whose .gguf files (at any depth) are listed too. Ollama's store, LM Studio's folders and the Hugging
+# Face cache are found without this.
+# model_dirs = ["~/models"]
 
 # Remote OpenAI-compatible servers (vLLM, SGLang, llama.cpp, Ollama, another tuichat serve): a model spec
 # NAME:MODEL_ID then runs there, e.g. --model lab:Qwen/Qwen2.5-72B-Instruct. The key is read from the environment
@@ -164,6 +169,7 @@ _TOP_LEVEL = {
     "system_prompt": _Rule("a string", lambda v: isinstance(v, str), lambda v: v or None),
     "theme": _text("a theme name"),
     "models": _STRINGS,
+    "model_dirs": _STRINGS,
 }
 
 _SAMPLING = {

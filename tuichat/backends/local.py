@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from tuichat import catalog
 from tuichat.backends.protocol import (
@@ -25,12 +27,14 @@ from tuichat.backends.protocol import (
     Message,
     ModelInfo,
     ProgressCallback,
+    ResolvedModel,
     SamplingParams,
     ServingOptions,
     StreamEvent,
     TuichatError,
     Usage,
 )
+from tuichat.engine import stores
 from tuichat.engine.heap import process_memory, settle_heap
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
@@ -114,12 +118,22 @@ def next_prompt(tokenizer, previous: _Conversation | None, messages: Sequence[Me
     return history + ids[tail:], len(history)
 
 
+def resolve(spec: str) -> ResolvedModel:
+    """What `spec` names (catalog.resolve), and the specs of models in users' stores (engine.stores:
+    ollama/NAME:TAG, lmstudio/..., hf/...), opened in place."""
+    if stores.is_store_spec(spec) and not Path(spec).expanduser().exists():
+        info = stores.find(spec).info  # by its whole name: ollama/NAME:TAG with the tag it took
+        return catalog.gguf_model(info.spec, Path(info.path))
+    return catalog.resolve(spec)
+
+
 class LocalBackend:
     def __init__(self, options: EngineOptions | None = None, default_model: str = catalog.EMBEDDED_ALIAS,
-                 extra_models: Sequence[str] = ()) -> None:
+                 extra_models: Sequence[str] = (), model_dirs: Sequence[str] = ()) -> None:
         self.options = options or EngineOptions()
         self.default_model = default_model
         self.extra_models = list(extra_models)
+        self.model_dirs = list(model_dirs)
         self._loaded: dict[str, _Loaded] = {}
         self._names: dict[str, str] = {}  # model spec -> canonical name
         self._load_lock = threading.Lock()  # one load at a time (they take seconds: held off the event loop)
@@ -149,7 +163,7 @@ class LocalBackend:
             loader_thread.shutdown(wait=False)
 
     def load_sync(self, model: str, progress: ProgressCallback | None = None) -> str:
-        resolved = catalog.resolve(model)
+        resolved = resolve(model)
         self._names[model] = resolved.name
         with self._load_lock:
             if (loaded := self._ready(resolved.name)) is not None:
@@ -224,7 +238,13 @@ class LocalBackend:
             self._drop(name)
 
     def list_models(self) -> list[ModelInfo]:
-        return catalog.list_models(self.extra_models)
+        """The catalog's models, the embedded one with its file's facts, and those found in users' stores."""
+        models = catalog.list_models(self.extra_models, [entry.info for entry in stores.discover(self.model_dirs)])
+        embedded = catalog._safe_embedded()
+        if embedded is not None and models and models[0].spec == catalog.EMBEDDED_ALIAS:
+            facts = stores.file_info(catalog.EMBEDDED_ALIAS, "embedded", embedded)
+            models[0] = dataclasses.replace(facts, description=catalog.EMBEDDED_DESCRIPTION)
+        return models
 
     # -- prompts ------------------------------------------------------------------------------------------
     def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message]):

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 # The request and reply vocabulary is the engine's (it stands alone); every front end and backend speaks it.
 from tuichat.engine.types import (
     FinishReason,
+    ModelInfo,
     ModelNotFound,
     ProgressCallback,
     PromptTooLong,
@@ -121,13 +122,6 @@ class RemoteStats(EngineStats):
     @property
     def kv_usage(self) -> float:
         return self.kv_fraction or 0.0
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    spec: str  # what `--model` accepts
-    kind: Literal["embedded", "converted", "local", "hf-cache", "config", "remote"]
-    description: str = ""
 
 
 class Backend(Protocol):

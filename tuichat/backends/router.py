@@ -90,7 +90,7 @@ class Router:
 
 def build(options: EngineOptions, model: str | None, config_model: str, endpoints: Sequence[Endpoint],
           extra_models: Sequence[str] = (), base_url: str | None = None,
-          api_key_env: str | None = None) -> tuple[Router, str]:
+          api_key_env: str | None = None, model_dirs: Sequence[str] = ()) -> tuple[Router, str]:
     """(the Router for a front end, the model spec it starts with). `--base-url` adds the endpoint "remote" (in
     place of a configured one of that name), and a `--model` that names no endpoint is that server's model;
     without `--model`, the server's first."""
@@ -104,4 +104,4 @@ def build(options: EngineOptions, model: str | None, config_model: str, endpoint
             model = f"{endpoint.name}:{model or ''}"
     model = model or config_model
     local_default = config_model if split_spec(model, [e.name for e in endpoints]) else model
-    return Router(LocalBackend(options, local_default, extra_models), endpoints, model), model
+    return Router(LocalBackend(options, local_default, extra_models, model_dirs), endpoints, model), model

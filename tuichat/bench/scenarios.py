@@ -32,8 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
-from tuichat import catalog
-from tuichat.backends.local import chat_ids
+from tuichat.backends.local import chat_ids, resolve
 from tuichat.backends.protocol import Message, SamplingParams, TuichatError, chat_sampling
 from tuichat.bench.corpus import (
     DOCUMENT,
@@ -88,7 +87,7 @@ class _Run:
 
         self.settings = settings
         self.progress = progress
-        self.resolved = catalog.resolve(settings.model)
+        self.resolved = resolve(settings.model)
         self.device = loader.resolve_device(settings.options.device)
         # The family decides, as in LocalBackend: the peers run in the dtype tuichat runs.
         self.dtype = loader.resolve_dtype(settings.options.dtype, self.device, loader.family(self.resolved),

@@ -27,13 +27,19 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def unsupported(config) -> str | None:
-    """Why tuichat refuses a model of this config (None: it does not). Cheap: no weights needed."""
-    text = text_config(config)
-    family = getattr(text, "model_type", None) or "unknown"
+def unsupported_family(family: str) -> str | None:
+    """Why tuichat refuses models of this model_type (None: it does not)."""
     if family not in VERIFIED:
         return (f"the {family} family is not one tuichat has verified to give transformers' own answers "
                 f"(verified: {', '.join(VERIFIED)})")
+    return None
+
+
+def unsupported(config) -> str | None:
+    """Why tuichat refuses a model of this config (None: it does not). Cheap: no weights needed."""
+    text = text_config(config)
+    if (why := unsupported_family(getattr(text, "model_type", None) or "unknown")) is not None:
+        return why
     other = sorted(set(getattr(text, "layer_types", None) or ()) - _ATTENTION_LAYERS)
     if other:
         return f"it has {', '.join(other)} layers, which tuichat's paged attention does not compute"

@@ -48,8 +48,11 @@ class GGUFFile:
     views of a read-only map of the file (`array`). Raises TuichatError for a file that is not GGUF or is cut
     short, naming the bytes it lacks."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, summary: bool = False) -> None:
+        """`summary`: an array of strings (a vocabulary) is read as its length only, not kept (listing stores of
+        models: most of a header's bytes, and most of its parse, are its tokens)."""
         self.path = Path(path)
+        self._summary = summary
         self.fields: dict[str, object] = {}
         self.types: dict[str, tuple[int, ...]] = {}  # each field's GGUF value type (arrays: 9 and the item type)
         try:
@@ -61,6 +64,9 @@ class GGUFFile:
         # A load opens its file a few times (its family, whether it is served in place, the load itself): the
         # header (a third of a second for a 128k-token vocabulary) is read once per path, size and mtime.
         key = (os.path.realpath(self.path), stat.st_size, stat.st_mtime_ns)
+        if summary:
+            self._parse()
+            return
         if key in _HEADERS:
             self.fields, self.types, self.tensors, self.data_offset, self.header_bytes = _HEADERS[key]
             return
@@ -139,6 +145,13 @@ class GGUFFile:
         if kind != _ARRAY:
             raise ValueError(f"unknown value type {kind}")
         item, count = self._unpack("<IQ")
+        if item == _STRING and self._summary:
+            for _ in range(count):
+                (length,) = struct.unpack_from("<Q", self._map, self._at)
+                self._at += 8 + length
+            if self._at > len(self._map):
+                raise ValueError("a string runs past the end of the file")
+            return count, (kind, item)
         if item == _STRING:
             return [self._string() for _ in range(count)], (kind, item)
         if item not in _NUMERIC:

@@ -129,6 +129,25 @@ class ResolvedModel:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """A model a front end can offer: its spec and where it was found, and, for a model file found on disk
+    (tuichat.stores), what a user needs to know before loading it, read from its metadata alone."""
+
+    spec: str  # what `--model` accepts
+    kind: Literal["embedded", "converted", "local", "hf-cache", "config", "remote", "ollama", "lmstudio", "dir"]
+    description: str = ""
+    path: str | None = None  # the file or folder it loads from
+    size_bytes: int | None = None
+    format: str | None = None  # "gguf" or "safetensors"
+    family: str | None = None  # transformers' model_type
+    quant: str | None = None  # a GGUF's file type (Q4_K_M, Q8_0, F16, ...)
+    parameters: int | None = None
+    context: int | None = None  # the model's context length
+    runs: bool | None = None  # whether tuichat serves it (None: not known before loading)
+    reason: str | None = None  # why not, or what is wrong with the entry
+
+
+@dataclass(frozen=True)
 class ServingOptions:
     """How the engine serves a model, as a user sets it (tuichat.backends.protocol.EngineOptions adds where and in which
     dtype it loads; the engine's EngineConfig adds what only the engine and its tests set)."""
