@@ -105,6 +105,7 @@ def write_tiny(folder: Path, hidden: int = HIDDEN, inter: int = INTER, formats=F
                output_format: int = OUTPUT_FORMAT, **options) -> Tiny:
     path = folder / "tiny.gguf"
     weights = write_gguf(path, hidden=hidden, inter=inter, formats=formats, output_format=output_format, **options)
+    path = path if path.is_file() else sorted(folder.glob("tiny-*-of-*.gguf"))[0]  # split: its first file
     reference = reference_model(weights, hidden, inter, options.get("arch", "llama"))
     return Tiny(path, hidden, formats, output_format, weights, reference, folder / "meta")
 
@@ -530,3 +531,23 @@ def test_a_vocabulary_of_rows_not_a_multiple_of_16_is_served_whole(kernel, tmp_p
     errors, agreement = teacher_forced_error(served, sequences, want)  # shapes must agree to subtract
     served.close()
     assert errors.max() < BOUNDS["plain"][0] and agreement >= 0.9
+
+
+def test_a_model_split_into_files_is_served_from_them_as_one(kernel, tmp_path):
+    """llama.cpp's gguf-split layout (gguf's own writer, 5 tensors a file): opened by its first file, every
+    tensor read from the file that holds it, as close to float32 as the model written whole; a later file, or a
+    first without the rest, is refused by name."""
+    tiny = write_tiny(tmp_path, split_max_tensors=5)
+    files = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(files) > 2 and tiny.path == files[0]
+    served = engine(tiny, kernel, prefix_cache=False)
+    assert served.layers == "C" and len(served.model.tuichat_mapped.file.paths) == len(files)
+    sequences, want = float32_continuations(tiny.reference)
+    errors, agreement = teacher_forced_error(served, sequences, want)
+    served.close()
+    assert errors.max() < BOUNDS["plain"][0] and errors.mean() < BOUNDS["plain"][1] and agreement >= 0.9
+    with pytest.raises(TuichatError, match=rf"file 2 of a model split into {len(files)}: open the first, {files[0].name}"):
+        GGUFFile(files[1])
+    files[-1].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(TuichatError, match=rf"file {len(files)}, {files[-1].name}, is not beside it"):
+        GGUFFile(files[0])

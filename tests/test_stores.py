@@ -230,3 +230,18 @@ def test_broken_entries_each_say_why_and_the_rest_stay_usable(home, tmp_path, gg
         resolve(LMSTUDIO)
     result = CliRunner().invoke(main, ["models"])
     assert result.exit_code == 0 and OLLAMA in result.output and "cannot run: the name is in more than one place" in result.output
+
+
+def test_a_model_split_into_files_is_listed_once_with_all_its_bytes(home):
+    from tests.tiny_gguf import write_gguf
+
+    home_dir, _ = home
+    repo = home_dir / ".lmstudio" / "models" / "someone" / "Tiny-GGUF"
+    repo.mkdir(parents=True)
+    write_gguf(repo / "tiny.gguf", split_max_tensors=5)
+    files = sorted(repo.glob("*.gguf"))
+    listed = [info for info in LocalBackend().list_models() if info.spec.startswith("lmstudio/someone/")]
+    assert [info.spec for info in listed] == [f"lmstudio/someone/Tiny-GGUF/{files[0].name}"]
+    assert listed[0].size_bytes == sum(f.stat().st_size for f in files) and listed[0].runs
+    assert f"{len(files)} files" in listed[0].description
+    assert resolve("lmstudio/someone/Tiny-GGUF").source == str(files[0])  # the folder's one model

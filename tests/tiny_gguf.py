@@ -61,7 +61,8 @@ def llama_cpp_order(n_rows: int, heads: int) -> np.ndarray:
 def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FORMAT, hidden: int = HIDDEN,
                inter: int = INTER, formats: list[dict[str, int]] = FORMATS,
                chat_template: str | None = None, embedding_format: int | None = None,
-               rope_freqs: np.ndarray | None = None, arch: str = "llama", extra_tokens: int = 0) -> dict[str, np.ndarray]:
+               rope_freqs: np.ndarray | None = None, arch: str = "llama", extra_tokens: int = 0,
+               split_max_tensors: int = 0) -> dict[str, np.ndarray]:
     """A tiny llama GGUF with a byte-level BPE tokenizer (its lm_head in `output_format`, None: F32; token_embd
     in `embedding_format`, None: F32); returns its float32 weights by transformers' names as the file stores
     them (linears dequantized by gguf itself, Q and K back in the model's row order). `rope_freqs` (head_dim / 2
@@ -71,7 +72,8 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     k_norm F32 tensors over a head's dim). "gemma3": a Gemma 3 file (GEMMA_*; `formats` cycled over its layers;
     no output tensor: the lm_head is token_embd; q/k norms and the four norms of a Gemma layer, stored as
     convert_hf_to_gguf stores them, 1 + transformers' weight). `extra_tokens`: that many user-defined tokens after
-    the VOCAB others (and as many more rows in the embedding and the output)."""
+    the VOCAB others (and as many more rows in the embedding and the output). `split_max_tensors`: written as
+    llama.cpp's gguf-split writes a model, in files of that many tensors (PATH-00001-of-0000N.gguf, ...)."""
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import dequantize, quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -81,7 +83,7 @@ def write_gguf(path: Path, seed: int = 0, output_format: int | None = OUTPUT_FOR
     head_dim = GEMMA_HEAD_DIM if gemma else hidden // HEADS
     if gemma:
         formats = [formats[i % len(formats)] for i in range(GEMMA_LAYERS)]
-    writer = GGUFWriter(str(path), arch)
+    writer = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_name("tiny")
     writer.add_context_length(2048)
     writer.add_embedding_length(hidden)

@@ -10,10 +10,12 @@ over it (`as_gguf_reader`), so that they stay transformers' for every family it 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterator
@@ -38,9 +40,11 @@ class TensorInfo:
     type: int  # ggml's type number
     offset: int  # from the start of the file
     nbytes: int
+    part: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
 
 _HEADERS: dict[tuple[str, int, int], tuple] = {}  # the last two headers read, by path, size and mtime
+SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama.cpp's gguf-split parts: NAME-00001-of-00003.gguf
 
 
 class GGUFFile:
@@ -48,11 +52,14 @@ class GGUFFile:
     views of a read-only map of the file (`array`). Raises TuichatError for a file that is not GGUF or is cut
     short, naming the bytes it lacks."""
 
-    def __init__(self, path: str | Path, summary: bool = False) -> None:
+    def __init__(self, path: str | Path, summary: bool = False, part: bool = False) -> None:
         """`summary`: an array of strings (a vocabulary) is read as its length only, not kept (listing stores of
-        models: most of a header's bytes, and most of its parse, are its tokens)."""
+        models: most of a header's bytes, and most of its parse, are its tokens). A model split into several
+        files (llama.cpp's gguf-split) is opened by its first, and read as one file; `part`: one of its files
+        alone (the first reads the others so)."""
         self.path = Path(path)
         self._summary = summary
+        self.paths = [self.path]  # the files it reads: several for a split model
         self.fields: dict[str, object] = {}
         self.types: dict[str, tuple[int, ...]] = {}  # each field's GGUF value type (arrays: 9 and the item type)
         try:
@@ -64,16 +71,49 @@ class GGUFFile:
         # A load opens its file a few times (its family, whether it is served in place, the load itself): the
         # header (a third of a second for a 128k-token vocabulary) is read once per path, size and mtime.
         key = (os.path.realpath(self.path), stat.st_size, stat.st_mtime_ns)
-        if summary:
-            self._parse()
-            return
-        if key in _HEADERS:
+        self._maps = [self._map]
+        if key in _HEADERS and not summary:
             self.fields, self.types, self.tensors, self.data_offset, self.header_bytes = _HEADERS[key]
+        else:
+            self._parse()
+            if not summary:
+                _HEADERS[key] = self.fields, self.types, self.tensors, self.data_offset, self.header_bytes
+                while len(_HEADERS) > 2:
+                    del _HEADERS[next(iter(_HEADERS))]
+        if not part:
+            self._join_parts()
+
+    def _join_parts(self) -> None:
+        """The other files of a split model, beside the first: their tensors join its table (each knows its file)."""
+        count, number = int(self.fields.get("split.count", 1) or 1), int(self.fields.get("split.no", 0) or 0)
+        if count <= 1:
             return
-        self._parse()
-        _HEADERS[key] = self.fields, self.types, self.tensors, self.data_offset, self.header_bytes
-        while len(_HEADERS) > 2:
-            del _HEADERS[next(iter(_HEADERS))]
+        named = SPLIT_NAME.search(self.path.name)
+        if number != 0 or named is None:
+            first = SPLIT_NAME.sub(f"-00001-of-{count:05d}.gguf", self.path.name) if named else "its first file"
+            self.close()
+            raise TuichatError(f"{self.path} is file {number + 1} of a model split into {count}: open the first, {first}.")
+        tensors = dict(self.tensors)
+        for i in range(1, count):
+            path = self.path.with_name(SPLIT_NAME.sub(f"-{i + 1:05d}-of-{count:05d}.gguf", self.path.name))
+            try:
+                if not path.is_file():
+                    raise TuichatError(f"{self.path.name} is the first of {count} files; file {i + 1}, {path.name}, "
+                                       f"is not beside it.")
+                other = GGUFFile(path, self._summary, part=True)
+                self._maps.append(other._map)
+                if int(other.fields.get("split.no", -1)) != i:
+                    raise TuichatError(f"{path} says it is not file {i + 1} of {self.path.name}'s model.")
+            except TuichatError:
+                self.close()
+                raise
+            self.paths.append(path)
+            tensors.update({name: dataclasses.replace(info, part=i) for name, info in other.tensors.items()})
+        want = self.fields.get("split.tensors.count")
+        if want is not None and int(want) != len(tensors):
+            self.close()
+            raise TuichatError(f"{self.path.name}'s {count} files hold {len(tensors)} tensors; the first says {want}.")
+        self.tensors = tensors
 
     def _parse(self) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -173,7 +213,7 @@ class GGUFFile:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
-        flat = np.frombuffer(self._map, np.uint8, info.nbytes, info.offset)
+        flat = np.frombuffer(self._maps[info.part], np.uint8, info.nbytes, info.offset)
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
         plain = {0: np.float32, 1: np.float16, 30: np.uint16}.get(info.type)  # F32, F16, BF16 (as raw bits)
         if plain is not None:
@@ -185,11 +225,12 @@ class GGUFFile:
         return hashlib.sha256(self._map[: self.header_bytes]).hexdigest()
 
     def close(self) -> None:
-        """Unmap the file once no view of it is left (a view still alive keeps its pages mapped)."""
-        try:
-            self._map.close()
-        except BufferError:  # views remain: the map goes when they do
-            pass
+        """Unmap the files once no view of them is left (a view still alive keeps its pages mapped)."""
+        for mapped in getattr(self, "_maps", [self._map]):
+            try:
+                mapped.close()
+            except BufferError:  # views remain: the map goes when they do
+                pass
 
 
 def _gguf_version() -> str:

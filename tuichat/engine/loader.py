@@ -157,6 +157,12 @@ def check_gguf(gguf: Path) -> None:
 @_only_our_progress()
 def converted_path(model: ResolvedModel, progress: ProgressCallback | None = None) -> Path:
     """A transformers folder for a .gguf, converting it once into the cache (the conversion takes ~15 s)."""
+    from tuichat.engine.gguf_file import SPLIT_NAME
+
+    if SPLIT_NAME.search(Path(model.source).name):  # transformers' GGUF loading reads one file
+        raise TuichatError(f"{model.name} is split into several files, which tuichat serves only from the files "
+                           "themselves: on a CPU, with --quant auto and --dtype auto or bfloat16, a family whose layers "
+                           "run in C (llama, mistral, qwen2, qwen3, gemma3).")
     assert model.converted_dir is not None
     target = model.converted_dir
     if (target / _DONE_MARK).is_file():

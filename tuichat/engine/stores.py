@@ -22,12 +22,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tuichat.engine import families
+from tuichat.engine.gguf_file import SPLIT_NAME
 from tuichat.engine.storage import cache_dir
 from tuichat.engine.types import ModelInfo, ModelNotFound, TuichatError
 
@@ -35,7 +35,6 @@ PREFIXES = ("ollama/", "lmstudio/", "hf/")
 _MODEL_LAYER = "application/vnd.ollama.image.model"
 _PARAMS_LAYER = "application/vnd.ollama.image.params"
 _OLLAMA_LIBRARY = ("registry.ollama.ai", "library")
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama.cpp's split files: -00001-of-00003.gguf
 _FACTS = "stores.json"  # in the cache dir: path -> [size, mtime_ns, facts]
 _ARCHITECTURE_TYPES = {"gemma3": "gemma3_text"}  # a GGUF's architecture -> transformers' model_type, where they differ
 
@@ -100,7 +99,7 @@ def _lmstudio() -> list[Entry]:
     for root in lmstudio_roots():
         for path in sorted(root.glob("*/*/*.gguf")) if root.is_dir() else ():
             publisher, repo, file = path.relative_to(root).parts
-            if (part := _SPLIT.search(file)) and part.group(1) != "00001":
+            if (part := SPLIT_NAME.search(file)) and part.group(1) != "00001":
                 continue  # a later part of a split model: listed by its first
             entries.append(Entry(file_info(f"lmstudio/{publisher}/{repo}/{file}", "lmstudio", path)))
     return entries
@@ -117,7 +116,7 @@ def _hf_cache() -> list[Entry]:
     for repo in sorted(repos, key=lambda r: r.repo_id):
         files = {f.file_name: f.file_path for rev in repo.revisions for f in rev.files if f.file_name.endswith(".gguf")}
         for file, path in sorted(files.items()):
-            if not ((part := _SPLIT.search(file)) and part.group(1) != "00001"):
+            if not ((part := SPLIT_NAME.search(file)) and part.group(1) != "00001"):
                 entries.append(Entry(file_info(f"hf/{repo.repo_id}/{file}", "hf-cache", Path(path))))
     return entries
 
@@ -127,7 +126,7 @@ def _dirs(folders: list[str]) -> list[Entry]:
     for folder in folders:
         root = Path(folder).expanduser()
         for path in sorted(root.rglob("*.gguf")) if root.is_dir() else ():
-            if not ((part := _SPLIT.search(path.name)) and part.group(1) != "00001"):
+            if not ((part := SPLIT_NAME.search(path.name)) and part.group(1) != "00001"):
                 entries.append(Entry(file_info(str(path), "dir", path)))
     return entries
 
@@ -201,11 +200,11 @@ def file_info(spec: str, kind: str, path: Path) -> ModelInfo:
         return ModelInfo(spec, kind, facts["error"], str(path), stat.st_size, "gguf", runs=False, reason=facts["error"])
     family = facts["family"]
     why = families.unsupported_family(family) if family else "its header names no architecture"
-    if why is None and (split := _SPLIT.search(path.name)):
-        why = f"a model split into {int(split.group(2))} files, which tuichat does not load yet"
-    described = " · ".join(x for x in (family, _count(facts["parameters"]), facts["quant"],
-                                       f"{stat.st_size / 1e9:.2f} GB", f"ctx {facts['context']}" if facts["context"] else "") if x)
-    return ModelInfo(spec, kind, described, str(path), stat.st_size, "gguf", family, facts["quant"], facts["parameters"],
+    size = facts.get("size", stat.st_size)  # a split model's: all its files'
+    described = " · ".join(x for x in (family, _count(facts["parameters"]), facts["quant"], f"{size / 1e9:.2f} GB",
+                                       f"ctx {facts['context']}" if facts["context"] else "",
+                                       f"{facts['files']} files" if facts.get("files", 1) > 1 else "") if x)
+    return ModelInfo(spec, kind, described, str(path), size, "gguf", family, facts["quant"], facts["parameters"],
                      facts["context"], why is None, why)
 
 
@@ -229,7 +228,7 @@ def _facts(path: Path, stat: os.stat_result) -> dict:
 
 
 def _read_facts(path: Path) -> dict:
-    from tuichat.engine.gguf_file import GGUFFile
+    from tuichat.engine.gguf_file import GGUFFile  # (numpy, on first use)
 
     try:
         file = GGUFFile(path, summary=True)
@@ -240,7 +239,8 @@ def _read_facts(path: Path) -> dict:
         parameters = sum(_product(t.shape) for t in file.tensors.values())
         return {"family": _ARCHITECTURE_TYPES.get(arch, arch) or None, "parameters": parameters,
                 "quant": _file_type(file.fields.get("general.file_type")),
-                "context": _int(file.fields.get(f"{arch}.context_length"))}
+                "context": _int(file.fields.get(f"{arch}.context_length")),
+                "size": sum(p.stat().st_size for p in file.paths), "files": len(file.paths)}
     finally:
         file.close()
 
