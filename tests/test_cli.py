@@ -106,13 +106,13 @@ def test_ask_with_invalid_utf8_in_argv_says_where_and_sends_nothing(tmp_path, ar
     (["hi", "--model", "~/x"], "No such file or folder: {home}/x"),
     (["hi", "--model", "no/such/dir"], "No such file or folder: no/such/dir"),
     (["hi", "--model", "/no/such/model.gguf"], "No such file or folder: /no/such/model.gguf"),
-    (["hi", "--model", "someorg/not-cached"], "is not in the Hugging Face cache and HF_HUB_OFFLINE is set"),
+    (["hi", "--model", "someorg/not-cached"], "is not in the Hugging Face cache ({hf}) and HF_HUB_OFFLINE is set"),
     (["hi", "--model", "nonsense"], "Unknown model 'nonsense'"),
     (["hi", "--seed", "-1"], "seed must be a whole number from 0 to 2**64 - 1, or unset, not -1."),
 ])
 def test_ask_with_a_bad_model_or_setting_is_one_clear_line(tmp_path, args, message):
-    result = ask(tmp_path, *args, HF_HUB_OFFLINE="1")
-    assert message.format(home=tmp_path / "home") in one_clear_line(result)
+    result = ask(tmp_path, *args, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hf"))
+    assert message.format(home=tmp_path / "home", hf=tmp_path / "hf") in one_clear_line(result)
     assert nothing_loaded(tmp_path)
 
 

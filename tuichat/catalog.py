@@ -111,7 +111,7 @@ def resolve(spec: str) -> ResolvedModel:
     if _HUB_ID.match(spec):
         if _hub_offline() and not _in_hf_cache(spec):
             raise ModelNotFound(
-                f"Model '{spec}' is not in the Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be "
+                f"Model '{spec}' is not in the Hugging Face cache ({_hf_cache_dir()}) and HF_HUB_OFFLINE is set, so it cannot be "
                 "downloaded. Download it once online, or unset HF_HUB_OFFLINE."
             )
         return ResolvedModel(spec, "hub", spec)
@@ -134,6 +134,12 @@ def _looks_like_path(spec: str) -> bool:
 
 def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _hf_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def _hf_cache_repos() -> list[str]:
