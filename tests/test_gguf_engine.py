@@ -129,7 +129,7 @@ def own_copy(tiny: TinyGGUF, tmp_path: Path):
     that tampers with the model or the cache."""
     converted = tmp_path / "converted"
     shutil.copytree(tiny.resolved.converted_dir, converted, ignore=shutil.ignore_patterns(PACKED_NAME))
-    return dataclasses.replace(tiny.resolved, converted_dir=converted)
+    return dataclasses.replace(tiny.resolved, converted_at=lambda: converted)
 
 
 def expected_formats() -> list[int]:

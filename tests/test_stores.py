@@ -78,6 +78,9 @@ def home(tmp_path, monkeypatch, gguf):
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    import huggingface_hub.constants  # read once at its import, which an earlier test may have done
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
     ollama_model(home / ".ollama" / "models", "smollm2", "135m", gguf, "1" * 64, params={"stop": ["<|im_end|>"]})
     lmstudio = home / ".lmstudio" / "models" / "bartowski" / "SmolLM2-135M-Instruct-GGUF"

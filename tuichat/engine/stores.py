@@ -107,9 +107,9 @@ def _lmstudio() -> list[Entry]:
 
 def _hf_cache() -> list[Entry]:
     try:
-        from huggingface_hub import scan_cache_dir
+        from huggingface_hub import constants, scan_cache_dir
 
-        repos = [r for r in scan_cache_dir().repos if r.repo_type == "model"]
+        repos = [r for r in scan_cache_dir(constants.HF_HUB_CACHE).repos if r.repo_type == "model"]
     except Exception:  # no cache dir yet, or one huggingface_hub cannot read: nothing to list
         return []
     entries = []
