@@ -248,3 +248,28 @@ def test_a_model_split_into_files_is_listed_once_with_all_its_bytes(home):
     assert listed[0].size_bytes == sum(f.stat().st_size for f in files) and listed[0].runs
     assert f"{len(files)} files" in listed[0].description
     assert resolve("lmstudio/someone/Tiny-GGUF").source == str(files[0])  # the folder's one model
+
+
+def test_an_ollama_models_stop_strings_end_its_replies(home, embedded, session_cache, monkeypatch, gguf):
+    """Its params layer's stop strings join every reply's: "Paris" ends the reply before it."""
+    from tuichat.backends.local import chat_ids
+
+    home_dir, _ = home
+    ollama_model(home_dir / ".ollama" / "models", "smollm2", "stops", gguf, "8" * 64, params={"stop": ["Paris"]})
+    _, _, reference, tokenizer = embedded
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))
+    messages = [Message("user", "What is the capital of France?")]
+    whole = tokenizer.decode(hf_greedy(reference, chat_ids(tokenizer, messages), 8, tokenizer.eos_token_id),
+                             skip_special_tokens=True)
+    assert "Paris" in whole
+    backend = LocalBackend(EngineOptions(dtype="float32", kv_cache_mb=16))
+
+    async def reply(spec: str) -> str:
+        await backend.load(spec)
+        return "".join([event.text or "" async for event in backend.stream("c", messages, SamplingParams(max_tokens=8, temperature=0.0), spec)])
+
+    try:
+        assert asyncio.run(reply("ollama/smollm2:stops")) == whole.split("Paris")[0]
+        assert asyncio.run(reply(OLLAMA)) == whole  # its own params stop only at <|im_end|>
+    finally:
+        asyncio.run(backend.close())

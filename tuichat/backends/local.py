@@ -62,6 +62,7 @@ class _Loaded:
     sampling: dict  # what the model's generation config recommends (read once, at load)
     load_s: float  # its load, from the weights' first byte to the engine ready
     mapped_bytes: int  # of its weights read in place from the file
+    stop: tuple[str, ...] = ()  # added to every reply's stop strings (ResolvedModel.stop)
     leases: int = 0  # streams using the engine now: an engine with leases is never evicted
 
 
@@ -122,8 +123,8 @@ def resolve(spec: str) -> ResolvedModel:
     """What `spec` names (catalog.resolve), and the specs of models in users' stores (engine.stores:
     ollama/NAME:TAG, lmstudio/..., hf/...), opened in place."""
     if stores.is_store_spec(spec) and not Path(spec).expanduser().exists():
-        info = stores.find(spec).info  # by its whole name: ollama/NAME:TAG with the tag it took
-        return catalog.gguf_model(info.spec, Path(info.path))
+        entry = stores.find(spec)  # by its whole name: ollama/NAME:TAG with the tag it took
+        return dataclasses.replace(catalog.gguf_model(entry.info.spec, Path(entry.info.path)), stop=entry.stop)
     return catalog.resolve(spec)
 
 
@@ -200,7 +201,7 @@ class LocalBackend:
                 self._loaded[resolved.name] = _Loaded(
                     engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
                     recommended_sampling(weights), time.monotonic() - started,
-                    getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0),
+                    getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0), resolved.stop,
                 )
             settle_heap()  # the load's transient buffers (packing, conversion) back to the system
             return resolved.name
@@ -318,6 +319,8 @@ class LocalBackend:
             raise TuichatError(f"{model or self.default_model} was unloaded while starting the reply; send it again.")
         try:
             engine = loaded.engine
+            if loaded.stop:
+                params = dataclasses.replace(params, stop=tuple(dict.fromkeys(params.stop + loaded.stop)))
             prompt, remember = build(name, loaded)
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue = asyncio.Queue()

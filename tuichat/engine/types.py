@@ -120,6 +120,7 @@ class ResolvedModel:
     kind: Literal["gguf", "local", "hub"]
     source: str  # .gguf path, local folder, or hub id
     converted_at: Callable[[], Path] | None = field(default=None, repr=False, compare=False)
+    stop: tuple[str, ...] = ()  # stop strings of every reply, from the model's store (Ollama's params)
 
     @cached_property
     def converted_dir(self) -> Path | None:
