@@ -99,9 +99,8 @@ def _lmstudio() -> list[Entry]:
     for root in lmstudio_roots():
         for path in sorted(root.glob("*/*/*.gguf")) if root.is_dir() else ():
             publisher, repo, file = path.relative_to(root).parts
-            if (part := SPLIT_NAME.search(file)) and part.group(1) != "00001":
-                continue  # a later part of a split model: listed by its first
-            entries.append(Entry(file_info(f"lmstudio/{publisher}/{repo}/{file}", "lmstudio", path)))
+            if not _later_file(file):  # a split model is listed by its first file
+                entries.append(Entry(file_info(f"lmstudio/{publisher}/{repo}/{file}", "lmstudio", path)))
     return entries
 
 
@@ -116,7 +115,7 @@ def _hf_cache() -> list[Entry]:
     for repo in sorted(repos, key=lambda r: r.repo_id):
         files = {f.file_name: f.file_path for rev in repo.revisions for f in rev.files if f.file_name.endswith(".gguf")}
         for file, path in sorted(files.items()):
-            if not ((part := SPLIT_NAME.search(file)) and part.group(1) != "00001"):
+            if not _later_file(file):
                 entries.append(Entry(file_info(f"hf/{repo.repo_id}/{file}", "hf-cache", Path(path))))
     return entries
 
@@ -126,9 +125,14 @@ def _dirs(folders: list[str]) -> list[Entry]:
     for folder in folders:
         root = Path(folder).expanduser()
         for path in sorted(root.rglob("*.gguf")) if root.is_dir() else ():
-            if not ((part := SPLIT_NAME.search(path.name)) and part.group(1) != "00001"):
+            if not _later_file(path.name):
                 entries.append(Entry(file_info(str(path), "dir", path)))
     return entries
+
+
+def _later_file(name: str) -> bool:
+    """Whether `name` is the second or a later file of a model split by gguf-split."""
+    return (part := SPLIT_NAME.search(name)) is not None and part.group(1) != "00001"
 
 
 def discover(model_dirs: list[str] | None = None) -> list[Entry]:
