@@ -295,7 +295,7 @@ def test_a_backend_serves_the_file_without_a_converted_copy(kernel, kquant, tmp_
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(cache))  # the kernels are loaded already (the `kernel` fixture)
     entered = []
     original = gguf_file.as_gguf_reader
-    monkeypatch.setattr(gguf_file, "as_gguf_reader", lambda file: entered.append(file.path) or original(file))
+    monkeypatch.setattr(gguf_file, "as_gguf_reader", lambda file, **kw: entered.append(file.path) or original(file, **kw))
 
     def served(backend: LocalBackend) -> tuple[Engine, object]:  # (the engine, its tokenizer)
         name = backend.load_sync(str(kquant.path))
@@ -509,7 +509,7 @@ def test_a_file_copied_elsewhere_reuses_its_metadata_cache(kernel, plain, tmp_pa
     shutil.copyfile(plain.path, copy)
     entered = []
     original = gguf_file.as_gguf_reader
-    monkeypatch.setattr(gguf_file, "as_gguf_reader", lambda file: entered.append(file.path) or original(file))
+    monkeypatch.setattr(gguf_file, "as_gguf_reader", lambda file, **kw: entered.append(file.path) or original(file, **kw))
     model, tokenizer = mapped.load(copy, kernel, cache)
     assert model.tuichat_mapped.file.path == copy and tokenizer is not None
     assert entered == [] and len(list(cache.iterdir())) == 1

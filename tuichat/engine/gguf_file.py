@@ -257,19 +257,31 @@ class _Field:
 class _ReaderView:
     """What transformers' load_gguf_checkpoint reads of a GGUFReader (fields and tensor names), over a GGUFFile."""
 
-    def __init__(self, file: GGUFFile) -> None:
-        self.fields = {key: _Field(value, file.types[key]) for key, value in file.fields.items()}
+    def __init__(self, file: GGUFFile, vocabulary: bool = True) -> None:
+        """Without the `vocabulary`, the tokenizer's arrays are left out (a config needs only their length, which
+        transformers' conversion reads as {arch}.vocab_size where the file does not say it; it would parse every
+        token, twice over: a second for a 128k vocabulary)."""
+        fields = dict(file.fields)
+        types = dict(file.types)
+        if not vocabulary:
+            vocab_key = f"{file.architecture}.vocab_size"
+            tokens = fields.get("tokenizer.ggml.tokens")
+            if vocab_key not in fields and tokens is not None:
+                fields[vocab_key], types[vocab_key] = len(tokens), (4,)  # uint32
+            for key in [k for k, t in types.items() if k.startswith("tokenizer.ggml.") and t[0] == _ARRAY]:
+                del fields[key]
+        self.fields = {key: _Field(value, types[key]) for key, value in fields.items()}
         self.tensors = [SimpleNamespace(name=name) for name in file.tensors]
 
 
 @contextmanager
-def as_gguf_reader(file: GGUFFile) -> Iterator[None]:
+def as_gguf_reader(file: GGUFFile, vocabulary: bool = True) -> Iterator[None]:
     """While inside, gguf.GGUFReader opened on `file`'s path is this reader's view (transformers opens the file
-    twice, for the config and the tokenizer, each time with gguf's slow reader)."""
+    twice, for the config and the tokenizer, each time with gguf's slow reader); `vocabulary`: see _ReaderView."""
     import gguf
 
     original = gguf.GGUFReader
-    view = _ReaderView(file)
+    view = _ReaderView(file, vocabulary)
     target = os.path.realpath(file.path)
 
     def reader(path, *args, **kwargs):
@@ -316,7 +328,7 @@ def config_and_tokenizer(file: GGUFFile, cache: Path | None, with_tokenizer: boo
             return config, AutoTokenizer.from_pretrained(str(folder)) if with_tokenizer else None
         except (OSError, ValueError, json.JSONDecodeError):  # damaged: made again below
             pass
-    with as_gguf_reader(file):
+    with as_gguf_reader(file, vocabulary=False):  # the tokenizer reads its vocabulary with a reader of its own
         try:
             config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
             tokenizer = AutoTokenizer.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
