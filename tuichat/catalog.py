@@ -159,7 +159,7 @@ def list_models(extra: list[str] | None = None, found: list[ModelInfo] | None = 
     """The embedded model, converted .gguf models, the models `found` in users' stores (engine.stores, which
     LocalBackend looks through), models in the HF cache and the config's extra specs."""
     embedded = _safe_embedded()
-    models = [ModelInfo(EMBEDDED_ALIAS, "embedded", EMBEDDED_DESCRIPTION)]
+    models = [ModelInfo(EMBEDDED_ALIAS, "embedded", EMBEDDED_DESCRIPTION, str(embedded) if embedded else None)]
     root = converted_root()
     if root.is_dir():
         listed = {str(embedded)}

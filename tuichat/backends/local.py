@@ -241,10 +241,9 @@ class LocalBackend:
     def list_models(self) -> list[ModelInfo]:
         """The catalog's models, the embedded one with its file's facts, and those found in users' stores."""
         models = catalog.list_models(self.extra_models, [entry.info for entry in stores.discover(self.model_dirs)])
-        embedded = catalog._safe_embedded()
-        if embedded is not None and models and models[0].spec == catalog.EMBEDDED_ALIAS:
-            facts = stores.file_info(catalog.EMBEDDED_ALIAS, "embedded", embedded)
-            models[0] = dataclasses.replace(facts, description=catalog.EMBEDDED_DESCRIPTION)
+        if models and models[0].kind == "embedded" and models[0].path is not None:
+            facts = stores.file_info(models[0].spec, "embedded", Path(models[0].path))
+            models[0] = dataclasses.replace(facts, description=models[0].description)
         return models
 
     # -- prompts ------------------------------------------------------------------------------------------
