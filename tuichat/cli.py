@@ -187,9 +187,14 @@ def ask(ctx, prompt, model, system, temperature, top_p, top_k, max_tokens, seed,
 
 
 def stderr_progress(what: str, fraction: float | None) -> None:
-    """Loading progress for the command line: one line per stage on stderr."""
-    suffix = f" ({fraction:.0%})" if fraction not in (None, 0.0, 1.0) else ""
-    print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)
+    """Loading progress for the command line: one line per stage on stderr; on a terminal, a stage's rising
+    figure (a download) redraws its line instead of adding one per percent."""
+    partial = fraction not in (None, 0.0, 1.0)
+    suffix = f" ({fraction:.0%})" if partial else ""
+    if sys.stderr.isatty():
+        print(f"\r\x1b[K[tuichat] {what}{suffix}", end="" if partial else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"[tuichat] {what}{suffix}", file=sys.stderr, flush=True)
 
 
 async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_json: bool, backend) -> None:

@@ -124,7 +124,8 @@ def resolve(spec: str) -> ResolvedModel:
     ollama/NAME:TAG, lmstudio/..., hf/...), opened in place."""
     if stores.is_store_spec(spec) and not Path(spec).expanduser().exists():
         entry = stores.find(spec)  # by its whole name: ollama/NAME:TAG with the tag it took
-        return dataclasses.replace(catalog.gguf_model(entry.info.spec, Path(entry.info.path)), stop=entry.stop)
+        return dataclasses.replace(catalog.gguf_model(entry.info.spec, Path(entry.info.path)), stop=entry.stop,
+                                   template=entry.template)
     return catalog.resolve(spec)
 
 
@@ -177,6 +178,7 @@ class LocalBackend:
             self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
             self._evict_idle()
             device = loader.resolve_device(self.options.device)
+            resolved = loader.download(resolved, progress)
             family = loader.family(resolved, progress)
             # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
             if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
@@ -185,6 +187,10 @@ class LocalBackend:
             started = time.monotonic()  # after the kernels' build (resolve_dtype): a once-per-machine cost
             in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
             weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
+            if resolved.template and tokenizer is not None and not tokenizer.chat_template:
+                from tuichat.engine.go_template import to_jinja
+
+                tokenizer.chat_template = to_jinja(resolved.template)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
             serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
             config = EngineConfig(**serving, quant_cache=quant_cache,  # (served in place: no checkpoint to key by)

@@ -311,6 +311,71 @@ def refuse_unsupported(name: str, source: str) -> str:
     return families.text_config(config).model_type
 
 
+# What transformers reads from a hub repo: weights as safetensors, the config, the tokenizer, the chat template
+# (not a repo's GGUF files, its PyTorch pickles or Llama's original/ checkpoint).
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.jinja", "*.txt"]
+
+
+def download(model: ResolvedModel, progress: ProgressCallback | None = None) -> ResolvedModel:
+    """A hub model as a folder of the Hugging Face cache, downloaded there first where it is not yet: its config
+    alone, to refuse a family tuichat does not serve before gigabytes, then the rest, reported as one figure
+    (bytes of all files) through `progress`. huggingface_hub resumes a file an earlier attempt left incomplete.
+    Any other model is returned as it is."""
+    if model.kind != "hub":
+        return model
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        with _hub_bars_off():
+            config = hf_hub_download(model.source, "config.json")
+        refuse_unsupported(model.name, str(Path(config).parent))
+        folder = snapshot_download(model.source, allow_patterns=_HUB_FILES,
+                                   tqdm_class=_download_bar(progress, model.name))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise TuichatError(f"Could not download '{model.name}' from the Hugging Face hub: {exc}") from exc
+    return ResolvedModel(model.name, "local", folder)
+
+
+@contextmanager
+def _hub_bars_off():
+    from huggingface_hub import utils as hub
+
+    shown = not hub.are_progress_bars_disabled()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            hub.enable_progress_bars()
+
+
+def _download_bar(progress: ProgressCallback | None, name: str):
+    """A tqdm class for snapshot_download that draws nothing and passes its one bar of bytes written (summed over
+    every file; not the bar of network bytes, nor the count of files) to `progress`, at most every percent."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    class Bar(hub_tqdm):
+        def __init__(self, *args, **kwargs):
+            self.bytes = kwargs.get("unit") == "B" and not str(kwargs.get("name", "")).endswith(".transfer")
+            self.done, self.shown = kwargs.get("initial") or 0, (-1.0, 0)
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+        def update(self, n=1):
+            if not self.bytes or not n:
+                return
+            self.done += n
+            if not self.total:
+                return
+            # The total grows as each file's download starts: a new total is news too.
+            fraction = min(1.0, self.done / self.total)
+            if abs(fraction - self.shown[0]) >= 0.01 or self.total != self.shown[1] or (fraction == 1.0 != self.shown[0]):
+                self.shown = (fraction, self.total)
+                report(progress, f"Downloading {name}: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB", fraction)
+
+    return Bar
+
+
 def family(model: ResolvedModel, progress: ProgressCallback | None = None) -> str:
     """The model's family (model_type), a GGUF's from its metadata; refuses one tuichat does not serve."""
     if model.kind != "gguf":
