@@ -273,3 +273,51 @@ def test_an_ollama_models_stop_strings_end_its_replies(home, embedded, session_c
         assert asyncio.run(reply(OLLAMA)) == whole  # its own params stop only at <|im_end|>
     finally:
         asyncio.run(backend.close())
+
+
+SMOLLM_GO_TEMPLATE = """{{- range $i, $m := .Messages }}
+{{- if and (eq $i 0) (ne .Role "system") }}<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+{{ end }}<|im_start|>{{ .Role }}
+{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+"""
+
+
+def test_an_ollama_gguf_without_a_jinja_template_takes_its_go_template(home, embedded, tmp_path):
+    """A GGUF whose header holds no chat template (its key renamed in a copy) and the manifest's template layer:
+    the prompt is what the embedded model's own Jinja template renders, and the reply is the one the same
+    weights give under the file's own template."""
+    from tuichat.backends.local import chat_text
+
+    home_dir, _ = home
+    data = catalog.embedded_gguf().read_bytes()
+    assert data.count(b"tokenizer.chat_template") == 1
+    bare = tmp_path / "bare.gguf"
+    bare.write_bytes(data.replace(b"tokenizer.chat_template", b"tokenizer.chat_templat_"))
+    root = home_dir / ".ollama" / "models"
+    ollama_model(root, "smollm2", "go", bare, "9" * 64)
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "go"
+    layers = json.loads(manifest.read_text())
+    digest = hashlib.sha256(SMOLLM_GO_TEMPLATE.encode()).hexdigest()
+    (root / "blobs" / f"sha256-{digest}").write_text(SMOLLM_GO_TEMPLATE)
+    layers["layers"].append({"mediaType": "application/vnd.ollama.image.template", "digest": f"sha256:{digest}",
+                             "size": len(SMOLLM_GO_TEMPLATE)})
+    manifest.write_text(json.dumps(layers))
+    tokenizer = embedded[3]
+    conversation = [Message("user", "What is the capital of France?"), Message("assistant", "Paris."),
+                    Message("user", "And of Italy?")]
+    backend = LocalBackend(EngineOptions(kv_cache_mb=16))
+
+    async def reply(spec: str) -> tuple[str, str]:
+        await backend.load(spec)
+        rendered = chat_text(backend._loaded[spec].tokenizer, conversation)
+        text = "".join([e.text or "" async for e in backend.stream(spec, conversation, SamplingParams(max_tokens=8, temperature=0.0), spec)])
+        return rendered, text
+
+    try:
+        rendered, text = asyncio.run(reply("ollama/smollm2:go"))
+        assert rendered == chat_text(tokenizer, conversation)
+        assert (rendered, text) == asyncio.run(reply(OLLAMA))
+    finally:
+        asyncio.run(backend.close())

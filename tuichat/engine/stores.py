@@ -34,6 +34,7 @@ from tuichat.engine.types import ModelInfo, ModelNotFound, TuichatError
 PREFIXES = ("ollama/", "lmstudio/", "hf/")
 _MODEL_LAYER = "application/vnd.ollama.image.model"
 _PARAMS_LAYER = "application/vnd.ollama.image.params"
+_TEMPLATE_LAYER = "application/vnd.ollama.image.template"
 _OLLAMA_LIBRARY = ("registry.ollama.ai", "library")
 _FACTS = "stores.json"  # in the cache dir: path -> [size, mtime_ns, facts]
 _ARCHITECTURE_TYPES = {"gemma3": "gemma3_text"}  # a GGUF's architecture -> transformers' model_type, where they differ
@@ -41,10 +42,12 @@ _ARCHITECTURE_TYPES = {"gemma3": "gemma3_text"}  # a GGUF's architecture -> tran
 
 @dataclass(frozen=True)
 class Entry:
-    """A model found in a store: its spec, where its file is, and (Ollama) its parameters' stop strings."""
+    """A model found in a store: its spec, where its file is, and (Ollama) its parameters' stop strings and its
+    Go chat template."""
 
     info: ModelInfo
     stop: tuple[str, ...] = ()
+    template: str | None = None
 
 
 # -- the stores ------------------------------------------------------------------------------------------------
@@ -90,7 +93,13 @@ def _ollama() -> list[Entry]:
                 stop = tuple(s for s in params.get("stop", ()) if isinstance(s, str))
             except (OSError, ValueError, AttributeError):
                 pass
-        entries.append(Entry(file_info(spec, "ollama", blob), stop))
+        template = None
+        if _TEMPLATE_LAYER in digests:  # used only where the GGUF holds no Jinja template of its own
+            try:
+                template = (root / "blobs" / digests[_TEMPLATE_LAYER].replace(":", "-")).read_text(encoding="utf-8")
+            except (OSError, ValueError):
+                pass
+        entries.append(Entry(file_info(spec, "ollama", blob), stop, template))
     return entries
 
 

@@ -121,6 +121,7 @@ class ResolvedModel:
     source: str  # .gguf path, local folder, or hub id
     converted_at: Callable[[], Path] | None = field(default=None, repr=False, compare=False)
     stop: tuple[str, ...] = ()  # stop strings of every reply, from the model's store (Ollama's params)
+    template: str | None = None  # Ollama's Go chat template, for a GGUF that holds no Jinja one (go_template.py)
 
     @cached_property
     def converted_dir(self) -> Path | None:
