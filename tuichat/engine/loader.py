@@ -351,26 +351,36 @@ def _hub_bars_off():
 
 
 def _download_bar(progress: ProgressCallback | None, name: str):
-    """A tqdm class for snapshot_download that draws nothing and passes its one bar of bytes written (summed over
-    every file; not the bar of network bytes, nor the count of files) to `progress`, at most every percent."""
+    """A tqdm class for snapshot_download that draws nothing. Its bar of bytes written, summed over every file
+    (not the bar of network bytes), goes to `progress` as it rises, at most every percent; its bar of files
+    counts the files done, and says the download is complete when the last one is. (The total of bytes grows as
+    each file's download starts: a small file done early is not the end.)"""
     from huggingface_hub.utils import tqdm as hub_tqdm
+
+    state = {"files": 0, "written": None}
 
     class Bar(hub_tqdm):
         def __init__(self, *args, **kwargs):
             self.bytes = kwargs.get("unit") == "B" and not str(kwargs.get("name", "")).endswith(".transfer")
-            self.done, self.shown = kwargs.get("initial") or 0, (-1.0, 0)
+            self.done, self.shown = kwargs.get("initial") or 0, -1.0
+            if self.bytes:
+                state["written"] = self
+            elif kwargs.get("unit", "it") == "it" and isinstance(kwargs.get("total"), int):
+                state["files"] = kwargs["total"]
             super().__init__(*args, **{**kwargs, "disable": True})
 
         def update(self, n=1):
-            if not self.bytes or not n:
+            if not n:
                 return
             self.done += n
-            if not self.total:
+            written = state["written"]
+            if not self.bytes:
+                if self.done == state["files"] and written is not None and written.done:  # (none: all cached)
+                    report(progress, f"Downloaded {name}: {written.done / 1e6:,.1f} MB in {self.done} files", 1.0)
                 return
-            # The total grows as each file's download starts: a new total is news too.
-            fraction = min(1.0, self.done / self.total)
-            if abs(fraction - self.shown[0]) >= 0.01 or self.total != self.shown[1] or (fraction == 1.0 != self.shown[0]):
-                self.shown = (fraction, self.total)
+            fraction = self.done / self.total if self.total else 1.0
+            if fraction < 1.0 and abs(fraction - self.shown) >= 0.01:
+                self.shown = fraction
                 report(progress, f"Downloading {name}: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB", fraction)
 
     return Bar
