@@ -23,7 +23,7 @@ ROOMS = {
     "cli": "cli", "ui": "ui (Textual)", "server": "server (FastAPI)", "bench": "bench",
     "backends.protocol": "backends.protocol", "backends.router": "backends.router",
     "backends.endpoints": "backends.endpoints", "backends.remote": "backends.remote (httpx)",
-    "backends.local": "backends.local", "catalog": "catalog", "config": "config", "themes": "themes",
+    "backends.local": "backends.local", "backends.context": "backends.context", "catalog": "catalog", "config": "config", "themes": "themes",
     "store": "store", "locks": "locks", "paths": "paths", "engine.types": "engine.types, storage (no torch)",
     "engine": "engine (torch)", "engine.cpu": "engine.cpu (C kernels)",
 }

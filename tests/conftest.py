@@ -105,3 +105,20 @@ def server(embedded, session_cache, tmp_path_factory):
     argv = [sys.executable, "-m", "tuichat", "serve", "--port", str(port), "--api-key", SERVE_KEY, "--dtype", "float32"]
     with server_process(argv, port, home / "serve.log", env, "tuichat serve") as base:
         yield base
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, embedded):
+    """A folder with a tiny random Llama that speaks the embedded model's tokenizer and chat template."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = embedded[3]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    LlamaForCausalLM(copy.deepcopy(config)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import click
 
@@ -30,6 +30,9 @@ def engine_options(func):
                      help="auto: a .gguf's weights read in its own blocks (Q8_0/Q4_0/Q4_1; Q5 and K-quants re-cut to "
                           "blocks of 32); none: bf16; int8/int4: "
                           "a dense model's quantized to Q8_0/Q4_1 blocks at load (cached)."),
+        click.option("--context-policy", type=click.Choice(["drop", "summarise", "refuse"]), default=None,
+                     help="A conversation that outgrows the model's context: drop its oldest turns, summarise them "
+                          "with the model, or refuse it (serve's default, as OpenAI's API does). [default: drop]"),
         click.option("--speculate", type=click.Choice(["auto", "ngram", "off"]), default=None,
                      help="Speculative decoding from the conversation's own text (the same replies, more tokens per "
                           "step): auto where it pays, ngram always, off."),
@@ -64,8 +67,6 @@ def _backend(ctx: click.Context, config, options: EngineOptions, model: str | No
 def _engine_options(config, *flag_sets: dict) -> EngineOptions:
     """The config's engine options under each set of flags in turn (the group's, then the command's): a flag
     left out (None) keeps what came before it."""
-    from dataclasses import replace
-
     return replace(config.engine, **{k: v for flags in flag_sets for k, v in flags.items() if v is not None})
 
 
@@ -233,6 +234,10 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             "peak_rss_mb": round(stats.peak_rss_bytes / 2**20, 1) if local else None,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
+            "cache_miss": usage.cache_miss,  # why the cache held less than the conversation had run
+            "context_tokens": usage.context_tokens or None,
+            "dropped_messages": usage.dropped_messages,  # left out to fit the context (the context policy)
+            "dropped_tokens": usage.dropped_tokens,
             "completion_tokens": usage.completion_tokens,
             "ttft_ms": usage.ttft_ms,
             "tokens_per_s": usage.tokens_per_s,
@@ -292,6 +297,10 @@ def serve(ctx, model, host, port, api_key, insecure_no_auth, log_level, **engine
     config, _ = _load_config()
     model = model or ctx.obj.get("model") or config.model
     options = _engine_options(config, ctx.obj["engine_flags"], engine_flags)
+    if ctx.obj["engine_flags"].get("context_policy") is None and engine_flags.get("context_policy") is None:
+        # OpenAI's contract: a request too long for the context is refused (context_length_exceeded), never
+        # answered from part of it unasked.
+        options = replace(options, context_policy="refuse")
     from tuichat.backends.local import LocalBackend
 
     backend = LocalBackend(options, model, config.models, config.model_dirs)

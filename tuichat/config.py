@@ -123,6 +123,10 @@ DEFAULT_CONFIG_TOML = """\
 # reply's last few tokens (text the model repeats from the conversation), keeping those the model agrees
 # with, so replies are the same as without it. auto: where it pays (a few tabs at once); ngram: always; off.
 # speculate = "auto"
+# A conversation that outgrows the model's context: drop its oldest turns (keeping the system prompt and the
+# latest turns), summarise them with the model into a note kept at the top, or refuse it. `tuichat serve`
+# refuses unless told otherwise, as OpenAI's API does. The palette switches it for the session.
+# context_policy = "drop"
 
 [keymap]
 # Rebind keys: binding id = keys, several keys separated by commas. Ids that contain dots need quotes.
@@ -198,6 +202,7 @@ _ENGINE = {
     "device_map": _choice("auto", "balanced", "balanced_low_0", "sequential"),
     "quant": _choice("auto", "none", "int8", "int4"),
     "speculate": _choice("auto", "ngram", "off"),
+    "context_policy": _choice("drop", "summarise", "refuse"),
 }
 
 _TABLES = ("sampling", "engine", "keymap")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from tuichat import catalog
+from tuichat.backends import context
 from tuichat.backends.protocol import (
     EngineOptions,
     EngineStats,
@@ -41,6 +42,15 @@ MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
 # Conversations whose last turn's ids are kept for the next: every tab, and a server's recent requests (each
 # its own conversation); the least recently replied-to goes first.
 MAX_CONVERSATIONS = 512
+# The context policy "summarise": the instruction, and the longest summary (its room is kept in every prompt),
+# an eighth of the context at most.
+SUMMARY_PROMPT = ("Summarise the conversation below in a few sentences, for the assistant to go on from: keep names, "
+                  "numbers, decisions and open questions. Write only the summary.")
+SUMMARY_TOKENS = 192
+
+
+def summary_tokens(context_tokens: int) -> int:
+    return min(SUMMARY_TOKENS, context_tokens // 8)
 
 
 @dataclass
@@ -50,6 +60,24 @@ class _Conversation:
     num_messages: int  # of that prompt
     prompt_ids: list[int]  # the ids the engine ran for it
     completion_ids: list[int]  # and the ids it produced
+    messages: tuple[Message, ...] = ()  # that prompt's messages (a summary of dropped turns among them)
+    dropped: int = 0  # messages of the whole conversation it left out (context.fit)
+    summary: str | None = None  # what stood for them
+
+
+@dataclass
+class _Turn:
+    """A chat turn's prompt, and what the conversation's meter and the cache-miss report need of it."""
+
+    rendered: str
+    ids: list[int]
+    messages: list[Message]  # what the prompt holds
+    dropped: int
+    dropped_tokens: int
+    summary: str | None
+    reused: int  # of `ids`, the previous turn's own ids
+    miss: str | None  # why the history is not all a prefix of what the cache may hold
+    context: int  # the most tokens the conversation can hold
 
 
 @dataclass
@@ -253,19 +281,70 @@ class LocalBackend:
         return models
 
     # -- prompts ------------------------------------------------------------------------------------------
-    def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message]):
-        """(the rendered prompt, its ids for the engine, how many of them the last turn's ids gave)."""
+    async def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message],
+                      params: SamplingParams) -> _Turn:
+        """The turn's prompt: the conversation fitted in the model's context under the context policy
+        (context.fit), rendered by its chat template, spliced onto the previous turn's ids where it continues
+        it (next_prompt), with the reason, if any, why it does not."""
         if not messages or messages[-1].role != "user" or not messages[-1].content.strip():
             raise TuichatError("The prompt is empty.")
-        try:
-            rendered = chat_text(loaded.tokenizer, messages)
-        except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
-            raise TuichatError(f"{name}'s chat template rejected the conversation: {exc}") from exc
-        previous = self._conversations.get(conversation_id) or self._continued(name, loaded, messages, rendered)
-        if previous is not None and previous.model != name:
-            previous = None
-        ids, reused = next_prompt(loaded.tokenizer, previous, messages, rendered, loaded.engine.eos_ids)
-        return rendered, ids, reused
+        engine, tokenizer = loaded.engine, loaded.tokenizer
+
+        def render(sent: Sequence[Message]) -> str:
+            try:
+                return chat_text(tokenizer, sent)
+            except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
+                raise TuichatError(f"{name}'s chat template rejected the conversation: {exc}") from exc
+
+        def count(sent: list[Message]) -> int:
+            return len(tokenizer(render(sent), add_special_tokens=False)["input_ids"])
+
+        previous = self._conversations.get(conversation_id)
+        same = previous is not None and previous.model == name
+        limit = min(engine.max_model_len, engine.capacity_tokens) - 1
+        summarise = self.options.context_policy == "summarise"
+        fit = context.fit if self.options.context_policy != "refuse" else context.whole
+        fitted = fit(messages, count, limit, min(params.max_tokens, limit // 4),
+                             start=previous.dropped if same else 0, extra=summary_tokens(limit) if summarise else 0,
+                             name=name)
+        system, rest = context.split(messages)
+        summary = None
+        if summarise and fitted.dropped:
+            summary = (previous.summary if same and previous.dropped == fitted.dropped and previous.summary else
+                       await self._summarise(name, loaded, rest[:fitted.dropped]))
+        sent = context.with_summary(system, summary) + rest[fitted.dropped:]
+        rendered = render(sent)
+        earlier = previous if same else self._continued(name, loaded, sent, rendered)
+        ids, reused = next_prompt(tokenizer, earlier, sent, rendered, engine.eos_ids)
+        record = previous or earlier  # a stateless client's conversation: the turn its history continues
+        known = None if record is None else context.Previous(record.model, record.messages, record.dropped)
+        miss = context.miss_reason(known, name, messages, sent, fitted.dropped, reused > 0, self.options.prefix_cache)
+        dropped_tokens = count(system + rest) - count(system + rest[fitted.dropped:]) if fitted.dropped else 0
+        return _Turn(rendered, ids, sent, fitted.dropped, dropped_tokens, summary, reused, miss, limit)
+
+    async def _summarise(self, name: str, loaded: _Loaded, dropped: list[Message]) -> str:
+        """The model's summary of the turns the context policy leaves out (greedy, summary_tokens at most), run
+        as a request of its own: its prefill and decode are what the summary costs."""
+        transcript = "\n\n".join(f"{m.role.capitalize()}: {m.content}" for m in dropped)
+        limit = min(loaded.engine.max_model_len, loaded.engine.capacity_tokens) - 1
+        most = summary_tokens(limit)
+        ids = loaded.tokenizer(transcript, add_special_tokens=False)["input_ids"]
+        # What the instruction and the template take, and a few tokens for how the joins tokenize.
+        room = limit - most - len(chat_ids(loaded.tokenizer, [Message("user", SUMMARY_PROMPT)])) - 8
+        if len(ids) > room:  # the oldest part goes: the summary keeps what the conversation came to
+            transcript = loaded.tokenizer.decode(ids[-room:])
+        request = [Message("user", f"{SUMMARY_PROMPT}\n\n{transcript}")]
+        text = []
+        async for event in self._generate(f"summary-{time.monotonic_ns()}", SamplingParams(max_tokens=most),
+                                          name, lambda _, held: self._bare(held, request)):
+            if event.error:
+                raise TuichatError(f"Summarising the earlier turns failed: {event.error}")
+            text.append(event.text)
+        return "".join(text).strip()
+
+    @staticmethod
+    async def _bare(loaded: _Loaded, request: list[Message]):
+        return chat_ids(loaded.tokenizer, request), None, None
 
     def _continued(self, name: str, loaded: _Loaded, messages: Sequence[Message], rendered: str) -> _Conversation | None:
         """The remembered turn that `messages` continue, for a client that sends its whole history as text each
@@ -288,34 +367,43 @@ class LocalBackend:
         params: SamplingParams,
         model: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        def build(name: str, loaded: _Loaded):
-            rendered, prompt, _ = self._prompt(name, loaded, conversation_id, messages)
+        async def build(name: str, loaded: _Loaded):
+            turn = await self._prompt(name, loaded, conversation_id, messages, params)
 
             def remember(seq) -> None:
                 self._conversations.pop(conversation_id, None)  # to the end: the most recent
                 while len(self._conversations) >= MAX_CONVERSATIONS:
                     self._conversations.popitem(last=False)
                 self._conversations[conversation_id] = _Conversation(
-                    name, rendered, len(messages), seq.token_ids[: seq.num_prompt_tokens], seq.completion_ids
+                    name, turn.rendered, len(turn.messages), seq.token_ids[: seq.num_prompt_tokens],
+                    seq.completion_ids, tuple(turn.messages), turn.dropped, turn.summary,
                 )
 
-            return prompt, remember
+            def annotate(usage: Usage) -> None:
+                usage.context_tokens = turn.context
+                usage.dropped_messages, usage.dropped_tokens, usage.summary = turn.dropped, turn.dropped_tokens, turn.summary
+                block = loaded.engine.config.block_size
+                usage.cache_miss = turn.miss or (context.evicted_reason(usage.cached_tokens, turn.reused, block)
+                                                 if usage.prompt_tokens else None)
+
+            return turn.ids, remember, annotate
 
         return self._generate(conversation_id, params, model, build)
 
     def complete(self, request_id: str, prompt: str, params: SamplingParams,
                  model: str | None = None) -> AsyncIterator[StreamEvent]:
         """Continue `prompt` as plain text, with no chat template (what /v1/completions asks for)."""
-        def build(name: str, loaded: _Loaded):
+        async def build(name: str, loaded: _Loaded):
             if not prompt:
                 raise TuichatError("The prompt is empty.")
-            return loaded.tokenizer(prompt)["input_ids"], None  # the tokenizer's own BOS, as generate's users get
+            return loaded.tokenizer(prompt)["input_ids"], None, None  # the tokenizer's own BOS, as generate's users get
 
         return self._generate(request_id, params, model, build)
 
     async def _generate(self, conversation_id: str, params: SamplingParams, model: str | None,
                         build) -> AsyncIterator[StreamEvent]:
-        """One reply's events; build(name, loaded) gives its prompt ids and what to remember of it when it ends."""
+        """One reply's events; build(name, loaded) gives its prompt ids, what to remember of it when it ends, and
+        what to add to each event's usage (each None where there is nothing)."""
         for _ in range(3):  # evicted or broken between its load and the lease: load it again
             name = await self.load(model)
             if (loaded := self._acquire(name)) is not None:
@@ -326,7 +414,7 @@ class LocalBackend:
             engine = loaded.engine
             if loaded.stop:
                 params = dataclasses.replace(params, stop=tuple(dict.fromkeys(params.stop + loaded.stop)))
-            prompt, remember = build(name, loaded)
+            prompt, remember, annotate = await build(name, loaded)
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue = asyncio.Queue()
             self.cancel(conversation_id)  # one reply per conversation at a time
@@ -344,7 +432,10 @@ class LocalBackend:
                         out = outputs.get_nowait()
                         text.append(out.text)
                     finished = out.finished
-                    yield StreamEvent("".join(text), first_t, out.usage or Usage(), finished, out.error)
+                    usage = out.usage or Usage()
+                    if annotate is not None:
+                        annotate(usage)
+                    yield StreamEvent("".join(text), first_t, usage, finished, out.error)
             finally:
                 if not finished:  # the consumer went away: stop generating for nobody
                     engine.cancel(seq.id)

@@ -30,6 +30,7 @@ __all__ = ["CHAT_SAMPLING", "Backend", "TuichatError", "EngineOptions", "EngineS
            "SamplingParams", "StreamEvent", "Usage"]
 
 Role = Literal["system", "user", "assistant"]
+ContextPolicy = Literal["drop", "summarise", "refuse"]
 
 
 # What a chat samples with when neither the model's generation config nor the user says: of the settings
@@ -59,6 +60,10 @@ class EngineOptions(ServingOptions):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device_map: str | None = None  # "auto": accelerate layer split over the visible GPUs
+    # A conversation that outgrows the context: "drop" leaves out its oldest turns, keeping the system prompt
+    # and the latest turns; "summarise" puts a summary of those turns, made by the model, in their place;
+    # "refuse" answers it with PromptTooLong (serve's default: OpenAI's API never trims).
+    context_policy: ContextPolicy = "drop"
 
 
 @dataclass(frozen=True)

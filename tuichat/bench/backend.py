@@ -15,10 +15,10 @@ class BenchBackend(LocalBackend):
         super().__init__(*args, **kwargs)
         self._reused: dict[str, int] = {}  # conversation -> its last turn's history ids taken over unchanged
 
-    def _prompt(self, name: str, loaded, conversation_id: str, messages: Sequence[Message]):
-        rendered, ids, reused = super()._prompt(name, loaded, conversation_id, messages)
-        self._reused[conversation_id] = reused
-        return rendered, ids, reused
+    async def _prompt(self, name: str, loaded, conversation_id: str, messages: Sequence[Message], params):
+        turn = await super()._prompt(name, loaded, conversation_id, messages, params)
+        self._reused[conversation_id] = turn.reused
+        return turn
 
     def cached_token_ids(self, conversation_id: str) -> list[int]:
         """The ids the next turn of this conversation builds on."""

@@ -94,6 +94,12 @@ class Usage:
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # The conversation against the model's context (set by a backend that renders chats: LocalBackend).
+    context_tokens: int = 0  # the most tokens a conversation can hold: the model's context, or the whole KV cache
+    dropped_messages: int = 0  # the oldest messages left out of this prompt to fit it (and a reply) in the context
+    dropped_tokens: int = 0  # what they weighed
+    summary: str | None = None  # what stands for them, where the policy summarises
+    cache_miss: str | None = None  # why fewer prompt tokens came from the cache than the conversation had run
 
     @property
     def tokens_per_step(self) -> float | None:

@@ -77,9 +77,11 @@ async def _reply(server: Server, body: schema.Sampling, chosen: dict[str, Any], 
 
     def done(usage: Usage, status: int = 200) -> None:
         server.metrics.finished(model, usage)
-        log.info("POST %s %d prompt %d cached %d completion %d ttft %s ms e2e %.0f ms", path, status,
+        log.info("POST %s %d prompt %d cached %d completion %d ttft %s ms e2e %.0f ms%s%s", path, status,
                  usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
-                 "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}", (time.monotonic() - started) * 1000)
+                 "-" if usage.ttft_ms is None else f"{usage.ttft_ms:.0f}", (time.monotonic() - started) * 1000,
+                 f" · dropped {usage.dropped_messages} oldest messages" if usage.dropped_messages else "",
+                 f" · cache miss: {usage.cache_miss}" if usage.cache_miss else "")
 
     if not body.stream:
         text, event = [], first
