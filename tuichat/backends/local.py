@@ -446,6 +446,12 @@ class LocalBackend:
         finally:
             self._release(loaded)
 
+    def set_context_policy(self, policy: str) -> None:
+        """What a conversation that outgrows the context gets from its next turn on (EngineOptions.context_policy)."""
+        if policy not in ("drop", "summarise", "refuse"):
+            raise TuichatError(f"Unknown context policy '{policy}': use drop, summarise or refuse.")
+        self.options = dataclasses.replace(self.options, context_policy=policy)
+
     def cancel(self, conversation_id: str) -> None:
         engine, request_id = self._in_flight.get(conversation_id, (None, None))
         if engine is not None:

@@ -58,6 +58,10 @@ class Router:
         backend, name, _ = self._route(model)
         return backend.complete(request_id, prompt, params, name)
 
+    def set_context_policy(self, policy: str) -> None:
+        """The local engine's context policy from now on (remote servers apply their own)."""
+        self.local.set_context_policy(policy)
+
     def cancel(self, conversation_id: str) -> None:
         for backend in (self.local, *self._remotes.values()):
             backend.cancel(conversation_id)

@@ -51,6 +51,11 @@ from tuichat.ui.widgets import EnginePanel, Prompt
 FALLBACK_THEME = "textual-dark"
 ENGINE_POLL_S = 0.5
 TAB_ACTIONS = {"new_tab", "close_tab", "next_tab", "previous_tab"}
+CONTEXT_POLICIES = {  # EngineOptions.context_policy, as the palette offers them
+    "drop": "leave out its oldest turns, keeping the system prompt and the latest turns",
+    "summarise": "have the model summarise its oldest turns into a note kept at the top",
+    "refuse": "refuse the next message until you start a new conversation",
+}
 
 
 class ChatTabs(TabbedContent):
@@ -655,6 +660,15 @@ class TuichatApp(App[None]):
 
     # --- command palette ----------------------------------------------------------------------------
 
+    def set_context_policy(self, policy: str) -> None:
+        """For this session (config.toml's engine.context_policy sets it for every session)."""
+        setter = getattr(self.backend, "set_context_policy", None)
+        if setter is None:
+            self.notify("The engine has not started yet.", severity="warning")
+            return
+        setter(policy)
+        self.notify(f"Context policy: {policy}. {CONTEXT_POLICIES[policy].capitalize()}.", title="Context")
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's own: Theme, Quit, Screenshot... ("Keys" is replaced by ours, which lists every binding).
         yield from (command for command in super().get_system_commands(screen) if command.title != "Keys")
@@ -669,6 +683,9 @@ class TuichatApp(App[None]):
                 partial(self.switch_model, self.active_tab, spec),
                 discover=False,
             )
+        for policy, what in CONTEXT_POLICIES.items():
+            yield SystemCommand(f"Context policy: {policy}", f"A conversation that outgrows the model's context: {what}",
+                                partial(self.set_context_policy, policy))
         reply = self.active_tab.last_reply()
         for index, block in enumerate(reply.code_blocks() if reply else []):
             lines = block.code.count("\n") + 1

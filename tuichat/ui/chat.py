@@ -87,9 +87,9 @@ class ChatTab(TabPane):
         self.prompt = Prompt(history, clock=services.clock, classes="prompt")
         for row in reversed(self._rows):
             if row.role == "assistant" and row.meta.get("prompt_tokens"):
-                self.last_usage = Usage(
-                    prompt_tokens=row.meta["prompt_tokens"], cached_tokens=row.meta.get("cached_tokens", 0)
-                )
+                kept = ("prompt_tokens", "cached_tokens", "completion_tokens", "context_tokens", "dropped_messages",
+                        "dropped_tokens", "cache_miss")
+                self.last_usage = Usage(**{name: row.meta[name] for name in kept if name in row.meta})
                 break
 
     def compose(self):
@@ -102,6 +102,7 @@ class ChatTab(TabPane):
     def on_mount(self) -> None:
         self._rows.clear()  # only needed to compose
         self.refresh_model_bar()
+        self.call_after_refresh(self.meter.show_context, self.last_usage)  # a reopened tab's, from its store
 
     # The model and sampling of the tab's turns live in its runner; set_model and set_sampling save them.
 
@@ -259,8 +260,11 @@ class ChatTab(TabPane):
         outcome = await self.runner.stream(reply.message_id, context, _OnScreen(self, reply))
         usage = outcome.usage
         if usage is not None:
+            self._say_what_was_left_out(usage)
             self.last_usage = usage
-        if outcome.status == "stopped" and not reply.text:
+        if outcome.refused and sent is not None:  # a message too long for the context: back to the prompt
+            await self._take_back(reply, sent, f"{outcome.error} Your message is back in the prompt.")
+        elif outcome.status == "stopped" and not reply.text:
             await self._take_back(reply, sent)
         else:
             await reply.finish(outcome.status, outcome.error, usage.finish_detail if usage is not None else None)
@@ -275,14 +279,29 @@ class ChatTab(TabPane):
         except NoMatches:  # closed
             return False
 
-    async def _take_back(self, reply: AssistantMessage, sent: UserMessage | None) -> None:
-        """Stopped before the first token: nothing to keep but the question, which goes back into the
-        prompt for another try (a regenerated reply just disappears)."""
+    def _say_what_was_left_out(self, usage: Usage) -> None:
+        """A turn that left out more of the conversation than the last one: what, and what the turn prefilled
+        (the kept history again, where the trim changed the prompt's start)."""
+        before = self.last_usage.dropped_messages if self.last_usage is not None else 0
+        if usage.dropped_messages <= before:
+            return
+        done = "are summarised in a note at the top" if usage.summary else "are left out"
+        self.notify(
+            f"The conversation outgrew {usage.context_tokens:,} tokens: its {usage.dropped_messages} oldest messages "
+            f"({usage.dropped_tokens:,} tokens) {done} of what the model sees; the system prompt stays. This turn "
+            f"prefilled {usage.prompt_tokens - usage.cached_tokens:,} tokens.",
+            title=f'Context full in "{self.title}"', severity="warning", timeout=12,
+        )
+
+    async def _take_back(self, reply: AssistantMessage, sent: UserMessage | None,
+                         why: str = "Stopped before the first token; your message is back in the prompt.") -> None:
+        """Stopped before the first token, or refused before it ran: nothing to keep but the question, which
+        goes back into the prompt for another try (a regenerated reply just disappears)."""
         removed: list[UserMessage | AssistantMessage] = [reply]
         if sent is not None:
             removed.append(sent)
             self.prompt.restore(sent.text)
-            self.notify("Stopped before the first token; your message is back in the prompt.")
+            self.notify(why, severity="information" if why.startswith("Stopped") else "error", timeout=12)
         self.runner.delete(widget.message_id for widget in removed)
         await self.log_view.drop(removed)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from tuichat.backends.protocol import Message, SamplingParams, TuichatError, Usage
+from tuichat.backends.protocol import Message, PromptTooLong, SamplingParams, TuichatError, Usage
 
 if TYPE_CHECKING:
     from tuichat.ui.messages import Past
@@ -63,6 +63,7 @@ class Outcome:
     status: str  # "done", "stopped" or "error"
     usage: Usage | None  # None if the stream did not finish
     error: str | None
+    refused: bool = False  # the prompt can never run as it is (PromptTooLong): nothing reached the model
 
 
 class TurnRunner:
@@ -166,6 +167,7 @@ class TurnRunner:
         store, clock = services.store, services.clock
         usage: Usage | None = None
         error: str | None = None
+        refused = False
         if reply_id == self._open:
             self._view = view
         try:
@@ -196,6 +198,7 @@ class TurnRunner:
                 raise
         except TuichatError as failure:
             error = str(failure)
+            refused = isinstance(failure, PromptTooLong)
         except Exception as failure:  # a backend bug must not take the app (and the typed text) down
             error = f"{type(failure).__name__}: {failure}"
         if error:
@@ -206,7 +209,7 @@ class TurnRunner:
             status = "done"
         view.ended(usage)
         self._end(reply_id, status, usage, error)
-        return Outcome(status, usage, error)
+        return Outcome(status, usage, error, refused)
 
     def stop(self) -> None:
         """Ask the backend to stop this conversation's reply; `stream` then ends it as stopped."""
@@ -231,6 +234,9 @@ class TurnRunner:
             }
             if usage.finish_detail:
                 meta["finish_detail"] = usage.finish_detail
+            for name in ("context_tokens", "dropped_messages", "dropped_tokens", "cache_miss"):
+                if getattr(usage, name):
+                    meta[name] = getattr(usage, name)
         if error:
             meta["error"] = error
         return meta

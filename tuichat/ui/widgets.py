@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 SPARK_TURNS = 24
 REDRAW_S = 0.05  # the meter redraws at most this often while tokens stream
 KV_WARNING = 0.8  # KV cache use above this shows in the warning colour: new prompts may soon wait
+CONTEXT_WARNING = 0.8  # a conversation past this share of the context shows in the warning colour
 
 
 class Prompt(TextArea):
@@ -175,6 +176,7 @@ class TtftMeter(Horizontal):
 
     def compose(self):
         yield Static(self._text(), id="meter-text")
+        yield Static(id="meter-context")
         yield Sparkline(id="ttft-sparkline")
 
     def on_mount(self) -> None:
@@ -234,7 +236,26 @@ class TtftMeter(Horizontal):
         if self._turn is not None and usage is not None and usage.completion_tokens:
             self._turn.tokens = usage.completion_tokens
         self._redraw()
+        self.show_context(usage)
 
+    def show_context(self, usage: Usage | None) -> None:
+        """The conversation's tokens (its last prompt and reply) against the model's context, where the backend
+        says (a local model), with the messages the context policy left out; the warning colour near the end."""
+        if usage is None or not usage.context_tokens:
+            return
+        shown = self.query_one("#meter-context", Static)
+        held = usage.prompt_tokens + usage.completion_tokens
+        text = f"ctx {held:,}/{usage.context_tokens:,}"
+        if usage.dropped_messages:
+            text += f" · {usage.dropped_messages} left out"
+        shown.update(text, layout=True)
+        shown.set_class(held >= CONTEXT_WARNING * usage.context_tokens, "-warning")
+        shown.tooltip = (
+            f"This conversation holds {held:,} of the {usage.context_tokens:,} tokens the model's context takes"
+            + (f"; its {usage.dropped_messages} oldest messages ({usage.dropped_tokens:,} tokens) are left out of "
+               "what the model sees" if usage.dropped_messages else "")
+            + ". Past the limit, the context policy drops or summarises the oldest turns (palette: Context policy)."
+        )
     def _stop_ticker(self) -> None:
         if self._ticker is not None:
             self._ticker.stop()
@@ -304,6 +325,14 @@ class EnginePanel(Vertical):
                 f"last turn: {last_usage.cached_tokens} of {last_usage.prompt_tokens}\n"
                 "prompt tokens from cache"
             )
+            if last_usage.cache_miss:
+                turn += f"\nmissed: {last_usage.cache_miss}"
+            if last_usage.context_tokens:
+                held = last_usage.prompt_tokens + last_usage.completion_tokens
+                turn += f"\ncontext {held:,} of {last_usage.context_tokens:,} tokens"
+            if last_usage.dropped_messages:
+                kind = "summarised" if last_usage.summary else "left out"
+                turn += f"\n{last_usage.dropped_messages} oldest messages {kind} ({last_usage.dropped_tokens:,} tokens)"
             if last_usage.draft_tokens:
                 turn += (f"\ndrafts: {last_usage.accepted_tokens} of {last_usage.draft_tokens} kept\n"
                          f"{last_usage.tokens_per_step:.2f} tokens a step")
