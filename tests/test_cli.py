@@ -56,6 +56,7 @@ def test_paths_prints_every_location(tmp_path):
         "bundled": str(CHECKOUT / "tuichat" / "themes"),
         "history": str(tmp_path / "hist" / "history.sqlite3"),
         "cache": str(tmp_path / "c"),
+        "kv": str(tmp_path / "c" / "kv"),
     }
 
 

@@ -21,9 +21,9 @@ SIZE = (120, 36)
 LIMIT = 511
 
 
-def app_for(model: str, store: Store | None = None) -> TuichatApp:
+def app_for(model: str, store: Store | None = None, **engine) -> TuichatApp:
     config = replace(Config(), model=model, sampling={"max_tokens": 8, "temperature": 0},
-                     engine=EngineOptions(dtype="float32"))
+                     engine=EngineOptions(dtype="float32", **engine))
     return TuichatApp(lambda: LocalBackend(config.engine, config.model), config, store or Store())
 
 
@@ -85,22 +85,28 @@ async def test_a_message_longer_than_the_context_stays_in_the_prompt(tiny_chat_m
         assert app.store.messages(tab.conversation_id) == []
 
 
-async def test_a_reopened_conversation_says_why_it_missed_the_cache(tiny_chat_model, tmp_path):
+async def test_a_reopened_conversation_reads_its_kv_back_or_says_why_not(tiny_chat_model, tmp_path):
     app = app_for(tiny_chat_model, Store())
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, app, "Hello there, how are you?", 1)
         conversation = app.active_tab.conversation_id
-    again = app_for(tiny_chat_model, Store())  # a restart: the same history file, a new engine
+    again = app_for(tiny_chat_model, Store())  # a restart: the same history file, a new engine, the KV on disk
     async with again.run_test(size=SIZE) as pilot:
         tab = again.active_tab
         assert tab.conversation_id == conversation
         await send(pilot, again, "Tell me more.", 2)
+        meter = str(tab.meter.query_one("#meter-text").render())
+        cached, prompt, restored = map(int, re.search(r"cached (\d+)/(\d+) \((\d+) from disk\)", meter).groups())
+        assert cached == restored > 0 and prompt > cached
+        assert "cache_miss" not in again.store.messages(conversation)[-1].meta
+    off = app_for(tiny_chat_model, Store(), kv_disk_mb=0)  # again, with the KV's second tier off
+    async with off.run_test(size=SIZE) as pilot:
+        await send(pilot, off, "And more?", 3)
         await pilot.press("ctrl+b")
-        turn = str(again.query_one("#engine-turn").render())
-        await until(lambda: "missed:" in str(again.query_one("#engine-turn").render()), "the miss reason")
-        turn = str(again.query_one("#engine-turn").render())
-        assert "missed: its earlier turns were not run by this engine since it started" in turn.replace("\n", " ")
-        assert app.store.messages(conversation)[-1].meta["cache_miss"].startswith("its earlier turns were not run")
+        await until(lambda: "missed:" in str(off.query_one("#engine-turn").render()), "the miss reason")
+        turn = str(off.query_one("#engine-turn").render()).replace("\n", " ")
+        assert "missed: its earlier turns were not run by this engine since it started" in turn
+        assert off.store.messages(conversation)[-1].meta["cache_miss"].startswith("its earlier turns were not run")
 
 
 async def test_the_palette_switches_the_context_policy(tiny_chat_model):

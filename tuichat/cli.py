@@ -22,6 +22,9 @@ def engine_options(func):
         click.option("--device", default=None, help="auto | cpu | cuda | cuda:N  [config: engine.device]"),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None),
         click.option("--kv-cache-mb", type=click.IntRange(min=1), default=None, help="KV cache memory budget."),
+        click.option("--kv-disk-mb", type=click.IntRange(min=0), default=None,
+                     help="KV kept in the cache dir across restarts, read back instead of prefilled (0: off). "
+                          "[default: 2048]"),
         click.option("--batching", type=click.Choice(["continuous", "static", "off"]), default=None),
         click.option("--prefix-cache/--no-prefix-cache", default=None, help="Reuse KV of shared prefixes."),
         click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel ranks."),
@@ -142,7 +145,7 @@ def paths() -> None:
     from tuichat.themes import bundled_themes_dir
 
     click.echo(f"config:  {config_path()}\nthemes:  {p.config_dir() / 'themes'}\nbundled: {bundled_themes_dir()}\n"
-               f"history: {p.data_dir() / 'history.sqlite3'}\ncache:   {p.cache_dir()}")
+               f"history: {p.data_dir() / 'history.sqlite3'}\ncache:   {p.cache_dir()}\nkv:      {p.cache_dir() / 'kv'}")
 
 
 @main.command()
@@ -234,6 +237,7 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             "peak_rss_mb": round(stats.peak_rss_bytes / 2**20, 1) if local else None,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
+            "restored_tokens": usage.restored_tokens,  # of the cached, read back from disk (kv_disk)
             "cache_miss": usage.cache_miss,  # why the cache held less than the conversation had run
             "context_tokens": usage.context_tokens or None,
             "dropped_messages": usage.dropped_messages,  # left out to fit the context (the context policy)

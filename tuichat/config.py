@@ -127,6 +127,10 @@ DEFAULT_CONFIG_TOML = """\
 # latest turns), summarise them with the model into a note kept at the top, or refuse it. `tuichat serve`
 # refuses unless told otherwise, as OpenAI's API does. The palette switches it for the session.
 # context_policy = "drop"
+# Conversations' KV kept in the cache dir (the blocks the KV cache evicts, and all of them when a model unloads
+# or tuichat quits), read back instead of prefilled again: a long conversation reopened after a restart
+# answers about as fast as before it. At most this many MiB, least recently used first out. 0: off.
+# kv_disk_mb = 2048
 
 [keymap]
 # Rebind keys: binding id = keys, several keys separated by commas. Ids that contain dots need quotes.
@@ -203,6 +207,7 @@ _ENGINE = {
     "quant": _choice("auto", "none", "int8", "int4"),
     "speculate": _choice("auto", "ngram", "off"),
     "context_policy": _choice("drop", "summarise", "refuse"),
+    "kv_disk_mb": _int(0),
 }
 
 _TABLES = ("sampling", "engine", "keymap")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from tuichat.backends.protocol import Message, PromptTooLong
 
+NOT_RUN = ("its earlier turns were not run by this engine since it started, nor kept on disk: the app or server "
+           "restarted, the model was unloaded, or the conversation was not kept")
 FREE_AFTER_TRIM = 4  # a trim leaves 1/FREE_AFTER_TRIM of the context free for the turns that follow
 SUMMARY_TITLE = "Summary of the earlier conversation"
 
@@ -110,8 +112,7 @@ def miss_reason(previous: Previous | None, model: str, messages: Sequence[Messag
     if previous is None:
         if not earlier:
             return None
-        return ("its earlier turns were not run by this engine since it started: the app or server restarted, "
-                "the model was unloaded, or the conversation was not kept")
+        return NOT_RUN
     if not prefix_cache:
         return "the prefix cache is off"
     if previous.model != model:

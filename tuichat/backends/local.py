@@ -37,6 +37,7 @@ from tuichat.backends.protocol import (
 )
 from tuichat.engine import stores
 from tuichat.engine.heap import process_memory, settle_heap
+from tuichat.engine.storage import cache_dir
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
 # Conversations whose last turn's ids are kept for the next: every tab, and a server's recent requests (each
@@ -221,8 +222,9 @@ class LocalBackend:
                 tokenizer.chat_template = to_jinja(resolved.template)
             quant_cache = loader.quant_cache(resolved, self.options.quant)
             serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
+            kv_disk = (cache_dir() / "kv", loader.kv_identity(resolved, dtype, self.options.quant, in_place))
             config = EngineConfig(**serving, quant_cache=quant_cache,  # (served in place: no checkpoint to key by)
-                                  quant_source=None if in_place else loader.checkpoint_dir(resolved))
+                                  quant_source=None if in_place else loader.checkpoint_dir(resolved), kv_disk=kv_disk)
             import torch
 
             kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run
@@ -385,6 +387,8 @@ class LocalBackend:
                 block = loaded.engine.config.block_size
                 usage.cache_miss = turn.miss or (context.evicted_reason(usage.cached_tokens, turn.reused, block)
                                                  if usage.prompt_tokens else None)
+                if turn.miss == context.NOT_RUN and usage.restored_tokens:  # a restart, and its KV read back from disk
+                    usage.cache_miss = None
 
             return turn.ids, remember, annotate
 
@@ -491,6 +495,8 @@ class LocalBackend:
             load_s=loaded.load_s,
             mapped_bytes=loaded.mapped_bytes,
             kv_bytes=engine.kv_bytes,
+            kv_disk_bytes=engine.kv_disk.total if engine.kv_disk is not None else 0,
+            kv_disk_reads=engine.kv_disk.read_blocks if engine.kv_disk is not None else 0,
         )
 
     def sampling_defaults(self, model: str) -> dict:

@@ -107,6 +107,8 @@ class EngineStats:
     load_s: float = 0.0  # how long the model took to load, kernels' build excluded
     mapped_bytes: int = 0  # weights read in place from the model's file (a GGUF's map: no copy)
     kv_bytes: int = 0  # the KV cache's pool
+    kv_disk_bytes: int = 0  # its second tier: blocks kept in the cache dir (kv_disk.py)
+    kv_disk_reads: int = 0  # blocks read back from there since the model loaded, not computed again
 
     @property
     def kv_usage(self) -> float:

@@ -22,6 +22,7 @@ from tuichat.engine import attention, families, quant, speculate
 from tuichat.engine.detok import IncrementalDetokenizer, StopMatcher
 from tuichat.engine.families import ModelShape
 from tuichat.engine.kv_cache import BlockManager, KVCache
+from tuichat.engine.kv_disk import KVDisk
 from tuichat.engine.prepare import prepare
 from tuichat.engine.request import RequestOutput, Sequence, Status
 from tuichat.engine.runner import RunnerBroken
@@ -54,6 +55,7 @@ class EngineConfig(ServingOptions):
     fast_linears: bool = True  # fused q/k/v and gate/up, AMX or gemv kernels for decode rows (see fusion.py)
     quant_cache: Path | None = None  # the file caching a dense model's int8/int4 blocks (a GGUF's: beside its conversion)
     quant_source: Path | None = None  # the checkpoint folder int8/int4 quantize from (a GGUF's: its conversion)
+    kv_disk: tuple[Path, str] | None = None  # (the folder, the model's identity): the KV's second tier, if kept
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -115,6 +117,10 @@ class Engine:
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
                           self.attention.devices)
         prepared = prepare(model, source, config, self.kv, self.blocks, self.attention, what)
+        # One process holds the whole KV only without tensor parallelism (each rank caches its own heads).
+        self.kv_disk = (KVDisk(*config.kv_disk, self.kv, config.block_size, config.kv_disk_mb * 2**20)
+                        if config.kv_disk is not None and config.kv_disk_mb and config.tp == 1 else None)
+        self.blocks.lower = self.kv_disk
         self.runner = prepared.runner
         # The labels the stats panel and the bench show (prepare.Prepared says what each holds).
         self.matmul, self.layers = prepared.matmul, prepared.layers
@@ -490,6 +496,7 @@ class Engine:
         self._sequences.clear()
         self._orphans.clear()
         self.blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size, self.config.prefix_cache)
+        self.blocks.lower = self.kv_disk
         self.scheduler = Scheduler(self.blocks, self.scheduler.max_batched_tokens, self.config.max_num_seqs,
                                    self.config.batching)
 
@@ -547,6 +554,10 @@ class Engine:
     def _shut_down(self) -> None:
         with self._lock:
             self._closed = True
+        try:  # before the pool is reset below
+            self.blocks.keep_all()
+        except Exception:  # best effort: an engine closing must close, whatever the disk says
+            pass
         self._fail_everything("The engine was shut down.")
         if hasattr(self.runner, "close"):
             self.runner.close()

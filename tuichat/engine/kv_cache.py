@@ -49,6 +49,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: dict[bytes, int] = {}
+        self.lower = None  # a kv_disk.KVDisk: evicted blocks go there, and new sequences' blocks come back from it
 
     # -- accounting -------------------------------------------------------------------------------------
     @property
@@ -67,6 +68,8 @@ class BlockManager:
         if not self.free:
             raise CacheFull
         block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.hash is not None and self.lower is not None:
+            self.lower.write(block)  # evicted from the pool, kept on disk
         if block.hash is not None and self.by_hash.get(block.hash) == block.id:
             del self.by_hash[block.hash]
         block.hash, block.token_ids, block.ref_count = None, (), 1
@@ -104,11 +107,24 @@ class BlockManager:
         seq.num_computed = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
+        if self.lower is not None and self.prefix_cache:  # the blocks after the hits, from disk where it has them
+            restored = self.lower.restore(seq, len(hits), seq.last_block_hash) * self.block_size
+            if restored:
+                seq.num_computed += restored
+                seq.num_restored_tokens += restored
+                self.register_computed(seq)
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> None:
         """Make room for seq to hold num_tokens tokens. Raises CacheFull."""
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self._take_free().id)
+
+    def keep_all(self) -> None:
+        """Every cached block to disk (the engine closing)."""
+        if self.lower is not None:
+            for block in self.blocks:
+                if block.hash is not None:
+                    self.lower.write(block)
 
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the shared head of the prefix.

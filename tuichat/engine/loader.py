@@ -297,6 +297,27 @@ def quant_cache(model: ResolvedModel, quant: str) -> Path | None:
     return cache_dir() / "quantized" / key / cache_name(quant)
 
 
+def kv_identity(model: ResolvedModel, dtype: torch.dtype, quant: str, in_place: bool) -> str:
+    """What a model's KV kept on disk (kv_disk.py) is keyed by, besides its layout: the weights' identity and how
+    they are served (another quantization computes other K/V). A file's identity is its path, size, mtime and
+    the digest of its first and last MiB, not of all of it: hashing gigabytes would cost seconds at every load,
+    and a file rewritten in place gets a new mtime."""
+    parts = [model.kind, str(dtype), quant, "in place" if in_place else "converted"]
+    folder = checkpoint_dir(model) if model.kind != "gguf" else None
+    files = [Path(model.source)] if model.kind == "gguf" else sorted(
+        p for p in (folder.iterdir() if folder is not None and folder.is_dir() else ())
+        if p.suffix in (".safetensors", ".bin", ".json") and p.is_file())
+    for path in files:
+        info = path.stat()  # through a hub snapshot's links: the blob's
+        digest = hashlib.sha256()
+        with open(path, "rb") as file:
+            digest.update(file.read(2**20))
+            file.seek(max(0, info.st_size - 2**20))
+            digest.update(file.read(2**20))
+        parts.append(f"{path.resolve()} {info.st_size} {info.st_mtime_ns} {digest.hexdigest()}")
+    return "\n".join(parts)
+
+
 def refuse_unsupported(name: str, source: str) -> str:
     """Refuse a family tuichat does not serve from its config alone, before seconds or minutes of weights;
     returns the family's model_type."""

@@ -46,6 +46,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     last_block_hash: bytes | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_restored_tokens: int = 0  # of those, read back from disk (kv_disk.py)
     overtaken: int = 0  # later requests admitted while this one waited (the scheduler bounds it)
     finish_reason: str | None = None
     finish_detail: str | None = None  # why "length" came before max_tokens: the KV cache or the context was full
@@ -90,6 +91,7 @@ class Sequence:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
             cached_tokens=self.num_cached_tokens or 0,
+            restored_tokens=self.num_restored_tokens,
             completion_tokens=self.num_completion_tokens,
             queue_ms=ms(self.first_scheduled),
             ttft_ms=ms(self.first_text_time),

@@ -83,6 +83,7 @@ class Usage:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    restored_tokens: int = 0  # of those, read back from disk (KV kept across restarts)
     completion_tokens: int = 0
     queue_ms: float | None = None  # submitted -> first scheduled
     ttft_ms: float | None = None  # submitted -> first non-empty text
@@ -174,3 +175,6 @@ class ServingOptions:
     # batch, a sequence whose proposals get accepted), ngram whenever a match is found, off never. Replies
     # are the same token for token either way.
     speculate: SpeculateMode = "auto"
+    # The KV cache's second tier (kv_disk.py): blocks the pool evicts, and all of its blocks when the model
+    # unloads, kept in the cache dir up to this many MiB and read back instead of computed again. 0: off.
+    kv_disk_mb: int = 2048

@@ -287,6 +287,8 @@ class TtftMeter(Horizontal):
         )
         if self._usage is not None and self._usage.prompt_tokens:
             text += f" · cached {self._usage.cached_tokens}/{self._usage.prompt_tokens}"
+            if self._usage.restored_tokens:
+                text += f" ({self._usage.restored_tokens} from disk)"
         return text
 
 
@@ -387,6 +389,8 @@ class EnginePanel(Vertical):
         kv.update(
             f"KV cache {stats.kv_usage:.0%}\n{_bar(stats.kv_usage)}\n"
             f"{stats.kv_blocks_used}/{stats.kv_blocks_total} blocks"
+            + (f"\non disk {stats.kv_disk_bytes / 2**20:,.0f} MB · {stats.kv_disk_reads} blocks read back"
+               if stats.kv_disk_bytes or stats.kv_disk_reads else "")
         )
         kv.set_class(stats.kv_usage > KV_WARNING, "-warning")
         prefix = f"prefix hits {stats.prefix_hit_rate:.0%}" if stats.prefix_cache else "prefix cache off"
