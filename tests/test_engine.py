@@ -15,6 +15,7 @@ from tuichat.engine.engine import Engine, EngineConfig
 from tuichat.engine.request import Status
 
 GREEDY = SamplingParams(max_tokens=12)
+BLOCK = 16
 
 
 def prompts_of(lengths, seed=1, vocab=320):
@@ -341,3 +342,45 @@ def test_penalties_out_of_openais_range_are_refused():
     for value in (2.5, -3, float("nan")):
         with pytest.raises(TuichatError, match="penalty"):
             SamplingParams(presence_penalty=value)
+
+
+def test_a_background_prefill_runs_only_in_steps_with_nothing_else_to_do():
+    """A prompt prefilled while its user types: no step that carries a running reply carries its tokens (so
+    the reply's next token never waits on it), it runs once the engine is idle, and the turn sent later finds
+    its blocks in the prefix cache."""
+    model, reference = make_tiny()
+    engine = Engine(model, config=EngineConfig(num_blocks=64, max_batched_tokens=64))
+    streaming, typed = prompts_of([20, 100], seed=21)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        steps.append({(c.seq.id, c.length) for c in chunks})
+        return chunks
+
+    engine.scheduler.schedule = recording
+    reply = engine.submit(streaming, SamplingParams(max_tokens=30))
+    engine.step()
+    background = engine.submit(typed, SamplingParams(max_tokens=1), background=True)
+    step_until(engine, lambda: finished([reply, background]), "the reply and the prefill")
+    shared = [s for s in steps if {i for i, _ in s} == {reply.id, background.id}]
+    assert not shared
+    assert reply.completion_ids == hf_greedy(reference, streaming, 30)
+    ran = [i for i, s in enumerate(steps) if background.id in {j for j, _ in s}]
+    last_reply_step = max(i for i, s in enumerate(steps) if reply.id in {j for j, _ in s})
+    assert ran and min(ran) > last_reply_step
+    (turn,) = engine.generate([typed + [9, 8, 7]], GREEDY)
+    assert turn.num_cached_tokens == len(typed) // BLOCK * BLOCK
+    assert turn.completion_ids == hf_greedy(reference, typed + [9, 8, 7], 12)
+
+
+def test_a_request_waiting_for_blocks_takes_them_from_a_background_prefill():
+    model, reference = make_tiny()
+    engine = Engine(model, config=EngineConfig(num_blocks=8, max_batched_tokens=32))
+    background = engine.submit(prompts_of([100], seed=22)[0], SamplingParams(max_tokens=1), background=True)
+    engine.step()  # admitted: it holds all eight blocks
+    prompt = prompts_of([60], seed=23)[0]
+    (seq,) = engine.generate([prompt], GREEDY)
+    assert seq.completion_ids == hf_greedy(reference, prompt, 12)
+    step_until(engine, lambda: finished([background]), "the prefill, afterwards")

@@ -122,3 +122,21 @@ async def test_the_palette_switches_the_context_policy(tiny_chat_model):
         await pilot.press("enter")
         await until(lambda: app.backend.options.context_policy == "summarise", "the policy set")
         assert "Context policy: summarise." in notifications(app)
+
+
+async def test_a_pause_in_typing_prefills_the_turn_so_far(tiny_chat_model):
+    """Typing, a pause, more typing, Enter: the turn's cached count covers the history and what was typed
+    before the pause, where without the prefill it would cover the history alone."""
+    app = app_for(tiny_chat_model)
+    async with app.run_test(size=SIZE) as pilot:
+        tab = app.active_tab
+        await send(pilot, app, "Hello there, how are you?", 1)
+        first = app.store.messages(tab.conversation_id)[-1].meta
+        history = first["prompt_tokens"] + first["completion_tokens"]
+        tab.prompt.insert("Tell me about " + "word " * 80)
+        await until(lambda: tab.prefilled > history + 80, "the prefill after the pause", timeout=60)
+        prefilled = tab.prefilled
+        await send(pilot, app, " and then some more.", 2)
+        turn = app.store.messages(tab.conversation_id)[-1].meta
+        assert turn["prompt_tokens"] > prefilled
+        assert turn["cached_tokens"] >= (prefilled - 1) // 16 * 16 > history

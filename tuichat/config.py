@@ -34,6 +34,7 @@ class Config:
     models: list[str] = field(default_factory=list)  # extra model specs listed in the model picker
     model_dirs: list[str] = field(default_factory=list)  # folders whose .gguf files are listed (tuichat.stores)
     endpoints: list[Endpoint] = field(default_factory=list)  # remote OpenAI-compatible servers (NAME:MODEL specs)
+    prefill_while_typing: bool = True  # a pause in typing prefills the turn so far, in the engine's quiet steps
 
 
 def config_path() -> Path:
@@ -65,6 +66,10 @@ DEFAULT_CONFIG_TOML = """\
 
 # Sent at the start of every conversation. Unset: no system prompt.
 # system_prompt = "You are a concise assistant."
+
+# When you pause typing, the engine prefills the conversation and what you typed so far, in steps it has
+# nothing else to do (never delaying a reply that streams), so that Enter finds most of the prompt cached.
+# prefill_while_typing = true
 
 # Theme on first start; after that, the theme you last picked is remembered. Bundled: tuichat-dark,
 # tuichat-light, tuichat-high-contrast, tuichat-solarized-light. Your own .toml themes go in the themes/
@@ -178,6 +183,7 @@ _TOP_LEVEL = {
     "theme": _text("a theme name"),
     "models": _STRINGS,
     "model_dirs": _STRINGS,
+    "prefill_while_typing": _Rule("true or false", lambda v: isinstance(v, bool)),
 }
 
 _SAMPLING = {

@@ -48,6 +48,7 @@ MAX_CONVERSATIONS = 512
 SUMMARY_PROMPT = ("Summarise the conversation below in a few sentences, for the assistant to go on from: keep names, "
                   "numbers, decisions and open questions. Write only the summary.")
 SUMMARY_TOKENS = 192
+PREFILL = "prefill:"  # the in-flight key of a conversation's prefill while its user types
 
 
 def summary_tokens(context_tokens: int) -> int:
@@ -404,8 +405,26 @@ class LocalBackend:
 
         return self._generate(request_id, params, model, build)
 
+    async def prefill(self, conversation_id: str, messages: Sequence[Message], model: str | None = None) -> int:
+        """Compute the KV of this turn's prompt as it stands (the history and what the user has typed so far) in
+        the engine's quiet steps (a background request: scheduler.py), so that the turn sent later finds it in
+        the prefix cache; a newer prefill of the conversation, or its turn, cancels it. Returns the prompt's
+        tokens, 0 where nothing was done (it was cancelled, or the prompt cannot run as it is)."""
+        async def build(name: str, loaded: _Loaded):
+            return (await self._prompt(name, loaded, conversation_id, messages, SamplingParams(max_tokens=1))).ids, None, None
+
+        prompt = 0
+        try:
+            async for event in self._generate(PREFILL + conversation_id, SamplingParams(max_tokens=1), model, build,
+                                              background=True):
+                if event.finished and event.usage.finish_reason != "cancelled" and not event.error:
+                    prompt = event.usage.prompt_tokens
+        except TuichatError:  # too long, an empty message: the turn itself will say so
+            return 0
+        return prompt
+
     async def _generate(self, conversation_id: str, params: SamplingParams, model: str | None,
-                        build) -> AsyncIterator[StreamEvent]:
+                        build, background: bool = False) -> AsyncIterator[StreamEvent]:
         """One reply's events; build(name, loaded) gives its prompt ids, what to remember of it when it ends, and
         what to add to each event's usage (each None where there is nothing)."""
         for _ in range(3):  # evicted or broken between its load and the lease: load it again
@@ -422,7 +441,10 @@ class LocalBackend:
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue = asyncio.Queue()
             self.cancel(conversation_id)  # one reply per conversation at a time
-            seq = engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            if not background:
+                self.cancel(PREFILL + conversation_id)  # the turn itself now: its prefill is done or not needed
+            seq = engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                                background=background)
             self._in_flight[conversation_id] = (engine, seq.id)
             finished = False
             try:

@@ -149,6 +149,12 @@ class Backend(Protocol):
         conversation's KV cache. Closing the iterator early (or `cancel`) stops the request."""
         ...
 
+    async def prefill(self, conversation_id: str, messages: Sequence[Message], model: str | None = None) -> int:
+        """Prepare the turn `messages` would be (the user still typing its last message): compute what it can
+        ahead, below every request's priority. Returns the prompt tokens prepared; 0 where it does nothing (a
+        remote server)."""
+        ...
+
     def complete(self, request_id: str, prompt: str, params: SamplingParams,
                  model: str | None = None) -> AsyncIterator[StreamEvent]:
         """Continue `prompt` as plain text, no chat template (an OpenAI /v1/completions request)."""

@@ -220,6 +220,10 @@ class RemoteBackend:
                  model: str | None = None) -> AsyncIterator[StreamEvent]:
         return self._events(request_id, "/completions", _body(None, prompt, params, model or ""))
 
+    async def prefill(self, conversation_id: str, messages: Sequence[Message], model: str | None = None) -> int:
+        """Nothing: a server prefills what it is sent, when it is sent."""
+        return 0
+
     def cancel(self, conversation_id: str) -> None:
         """Closes the stream: the server sees the client go and aborts the request."""
         entry = self._in_flight.get(conversation_id)

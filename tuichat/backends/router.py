@@ -58,6 +58,10 @@ class Router:
         backend, name, _ = self._route(model)
         return backend.complete(request_id, prompt, params, name)
 
+    async def prefill(self, conversation_id: str, messages: Sequence[Message], model: str | None = None) -> int:
+        backend, model_id, _ = self._route(model)
+        return await backend.prefill(conversation_id, messages, model_id)
+
     def set_context_policy(self, policy: str) -> None:
         """The local engine's context policy from now on (remote servers apply their own)."""
         self.local.set_context_policy(policy)

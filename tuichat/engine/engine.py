@@ -202,10 +202,12 @@ class Engine:
             raise TuichatError(f"Token id {bad!r} is outside {self.name}'s vocabulary of {vocab}.")
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None] | None = None
+        self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None] | None = None,
+        background: bool = False,
     ) -> Sequence:
+        """`background`: only in steps with nothing else to do (scheduler.py), never delaying another request."""
         self.validate(prompt_ids)
-        seq = Sequence(list(prompt_ids), params, on_output)
+        seq = Sequence(list(prompt_ids), params, on_output, background=background)
         with self._lock:  # against close(): nothing may enter the inbox after the thread drained it for good
             if self._closed:
                 raise TuichatError(f"The engine for {self.name} was shut down; load the model again.")

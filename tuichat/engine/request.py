@@ -47,6 +47,7 @@ class Sequence:
     last_block_hash: bytes | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_restored_tokens: int = 0  # of those, read back from disk (kv_disk.py)
+    background: bool = False  # run only in steps with nothing else to do (a prefill while its user types)
     overtaken: int = 0  # later requests admitted while this one waited (the scheduler bounds it)
     finish_reason: str | None = None
     finish_detail: str | None = None  # why "length" came before max_tokens: the KV cache or the context was full

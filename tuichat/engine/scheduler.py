@@ -5,6 +5,10 @@ that are already talking; then sequences part-way through a chunked prefill; the
 admitted while blocks and budget last. When the pool runs out, the newest running sequence is preempted:
 its blocks are freed (their hashes stay, so its recompute mostly hits the prefix cache) and it waits at
 the front of the queue. The "static" and "off" modes exist to measure what continuous batching buys.
+
+A background sequence (a prompt prefilled while its user types, LocalBackend.prefill) only runs in steps that
+have nothing else to do: it is admitted, and its chunks scheduled, only while no other sequence runs or waits,
+and it is the first preempted. A streaming tab's step never carries its tokens, so it never waits on them.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class Scheduler:
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        busy = any(not s.background for s in itertools.chain(self.running, self.waiting))  # background waits
 
         def grow(seq: Sequence, length: int) -> bool:
             """Reserve blocks for seq's next `length` tokens, preempting newer sequences if needed."""
@@ -90,7 +95,8 @@ class Scheduler:
                     self.blocks.ensure_slots(seq, seq.num_computed + length)
                     return True
                 except CacheFull:
-                    victim = next((s for s in reversed(self.running) if s.id not in scheduled), None)
+                    victim = next((s for s in reversed(self.running) if s.id not in scheduled and s.background),
+                                  None) or next((s for s in reversed(self.running) if s.id not in scheduled), None)
                     self._preempt(victim)
                     if victim is seq:
                         return False
@@ -98,8 +104,8 @@ class Scheduler:
         # 1. Decodes first, oldest first. 2. Chunked prefills already under way.
         for decoding in (True, False):
             for seq in list(self.running):
-                if seq.status is not Status.RUNNING or seq.id in scheduled:
-                    continue  # preempted during this pass, or done in the first pass
+                if seq.status is not Status.RUNNING or seq.id in scheduled or (seq.background and busy):
+                    continue  # preempted during this pass, done in the first pass, or waiting for a quiet step
                 if (seq.num_uncomputed == 1) != decoding or budget == 0:
                     continue
                 # A decode's draft (the engine's proposal) rides in its chunk, as far as the budget and the free
@@ -123,9 +129,17 @@ class Scheduler:
         index = 0
         while may_admit and index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
+            if seq.background and busy:
+                index += 1
+                continue
             try:
                 self.blocks.allocate(seq)
             except CacheFull:
+                idle = next((s for s in reversed(self.running) if s.background and s.id not in scheduled), None)
+                if idle is not None and not seq.background:  # its blocks (their hashes stay) before any wait
+                    self._preempt(idle)
+                    index += 1  # the preempted one went to the front
+                    continue
                 if seq.overtaken >= MAX_OVERTAKES:
                     break
                 index += 1

@@ -160,6 +160,7 @@ class TuichatApp(App[None]):
             system_prompt=config.system_prompt,
             pacer=PaintPacer(),  # one for every tab: they all paint on this thread
             clock=clock,  # tests pass a virtual clock so the meter's numbers are fixed
+            prefill_while_typing=config.prefill_while_typing,
         )
 
     # --- start-up -----------------------------------------------------------------------------------

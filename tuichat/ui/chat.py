@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from textual.content import Content
 from textual.css.query import NoMatches
+from textual.timer import Timer
 from textual.widget import MountError
-from textual.widgets import TabbedContent, TabPane
+from textual.widgets import TabbedContent, TabPane, TextArea
 from textual.worker import Worker, WorkerState
 
 from tuichat.backends.protocol import Message, SamplingParams, Usage
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 NEW_TITLE = "New chat"
 TITLE_CHARS = 40
+TYPING_PAUSE_S = 0.4  # a pause in typing this long prefills what is typed so far
 
 
 class _OnScreen:
@@ -79,6 +81,8 @@ class ChatTab(TabPane):
         self.runner = TurnRunner(conversation_id, model, sampling, services)
         self._rows = list(rows)
         self._turn: Worker | None = None
+        self._typing: Timer | None = None  # the pause after which what is typed is prefilled
+        self.prefilled = 0  # the prompt tokens the last prefill while typing prepared
         self.last_usage: Usage | None = None
         ttft = [row.meta["ttft_ms"] for row in self._rows if row.meta.get("ttft_ms") is not None]
         self.meter = TtftMeter(ttft, clock=services.clock, pacer=services.pacer, classes="meter")
@@ -213,6 +217,28 @@ class ChatTab(TabPane):
         await self.log_view.scroll_pages(event.pages)
 
     # --- turns --------------------------------------------------------------------------------------
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        """Typing: once it pauses, the turn so far is prefilled (LocalBackend.prefill), below every reply's
+        priority, so that Enter finds the history and what was typed in the prefix cache."""
+        if event.text_area is not self.prompt or not self.services.prefill_while_typing:
+            return
+        if self._typing is not None:
+            self._typing.stop()
+        self._typing = self.set_timer(TYPING_PAUSE_S, self._prefill_typed)
+
+    def _prefill_typed(self) -> None:
+        text, backend = self.prompt.text, self.services.backend()
+        if not text.strip() or self.busy or backend is None or self.services.model_state(self.model):
+            return  # nothing typed, a reply streaming (it is the priority), or the model not ready
+        history = self.log_view.history()
+        context = self.runner.context([*history, Past("user", text, -1)])
+
+        async def prefill() -> None:
+            model = await self.services.ensure_model(self.model)
+            self.prefilled = await backend.prefill(self.conversation_id, context, model)
+
+        self.run_worker(prefill(), group="prefill", exclusive=True, exit_on_error=False)
 
     async def on_prompt_submitted(self, event: Prompt.Submitted) -> None:
         event.stop()

@@ -161,6 +161,9 @@ class DemoBackend:
         finally:
             self.in_flight.discard(conversation_id)
 
+    async def prefill(self, conversation_id: str, messages, model: str | None = None) -> int:
+        return 0
+
     def cancel(self, conversation_id: str) -> None:
         self.cancelled.append(conversation_id)
 

@@ -25,5 +25,6 @@ class TabServices:
     system_prompt: str | None
     pacer: PaintPacer  # one for the app: every tab paints on the same UI thread
     clock: Callable[[], float]  # what latencies are measured on (tests give a virtual one)
+    prefill_while_typing: bool = True
     # The turns whose reply is stored as streaming: the app, as it ends, stops those left in the store.
     open_turns: set[TurnRunner] = field(default_factory=set)
