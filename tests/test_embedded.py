@@ -208,7 +208,7 @@ def test_ask_reads_stdin_and_streams(embedded):
     [
         (["ask", "hi", "--model", "no-such-model"], "Unknown model 'no-such-model'"),
         (["ask", "   "], "the prompt is empty"),
-        (["ask", "word " * 9000], "takes at most 8191"),
+        (["ask", "word " * 9000], "holds 8,191 tokens a conversation"),
         (["ask", "hi", "--model", "someorg/not-cached"], "HF_HUB_OFFLINE"),
     ],
 )

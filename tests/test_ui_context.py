@@ -140,3 +140,49 @@ async def test_a_pause_in_typing_prefills_the_turn_so_far(tiny_chat_model):
         turn = app.store.messages(tab.conversation_id)[-1].meta
         assert turn["prompt_tokens"] > prefilled
         assert turn["cached_tokens"] >= (prefilled - 1) // 16 * 16 > history
+
+
+async def test_a_fork_shares_the_kv_of_its_history(tiny_chat_model):
+    """F5, the latest reply: a new tab with the conversation's messages, whose first turn finds their KV in the
+    prefix cache; forking at a message of the user's puts it back in the new tab's prompt instead."""
+    app = app_for(tiny_chat_model)
+    async with app.run_test(size=SIZE) as pilot:
+        source = app.active_tab
+        await send(pilot, app, "Hello there, how are you?", 1)
+        await send(pilot, app, "Tell me about " + "word " * 30, 2)
+        rows = app.store.messages(source.conversation_id)
+        last = rows[-1].meta
+        await pilot.press("f5")
+        await until(lambda: type(app.screen).__name__ == "ForkPicker", "the picker")
+        await pilot.press("enter")  # the latest message first: the last reply
+        await until(lambda: len(app.tabs()) == 2, "the fork's tab")
+        fork = app.active_tab
+        assert fork is not source
+        assert [(m.role, m.content) for m in app.store.messages(fork.conversation_id)] == \
+               [(m.role, m.content) for m in rows]
+        await send(pilot, app, "And then?", 3)
+        turn = app.store.messages(fork.conversation_id)[-1].meta
+        assert turn["cached_tokens"] >= (last["prompt_tokens"] + last["completion_tokens"]) // 16 * 16 - 16
+        assert "cache_miss" not in turn
+        await pilot.press("f5")
+        await until(lambda: type(app.screen).__name__ == "ForkPicker", "the picker")
+        await pilot.press("down", "enter")  # the fork's message before its last reply: "And then?"
+        await until(lambda: len(app.tabs()) == 3, "the second fork's tab")
+        assert app.active_tab.prompt.text == "And then?"
+        assert [m.content for m in app.store.messages(app.active_tab.conversation_id)] == [m.content for m in rows]
+
+
+async def test_one_message_sent_to_every_tab(tiny_chat_model):
+    app = app_for(tiny_chat_model)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+t")
+        await pilot.press("ctrl+t")
+        await until(lambda: len(app.tabs()) == 3, "three tabs")
+        app.active_tab.prompt.insert("Same question everywhere")
+        await pilot.press("f9")
+        await until(lambda: all(len(app.store.messages(t.conversation_id)) == 2 and not t.busy for t in app.tabs()),
+                    "every tab's reply", timeout=120)
+        for tab in app.tabs():
+            user, reply = app.store.messages(tab.conversation_id)
+            assert user.content == "Same question everywhere" and reply.status == "done"
+        assert app.active_tab.prompt.text == ""

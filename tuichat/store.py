@@ -215,6 +215,25 @@ class Store:
         )
         return conversation_id
 
+    def fork(self, conversation_id: str, through: int, title: str) -> str:
+        """A new conversation, open, as the last tab: `conversation_id`'s model and its messages up to and
+        including message `through`, copied in one transaction. Returns its id."""
+        source = self.conversation(conversation_id)
+        fork = uuid.uuid4().hex
+        now = self._clock()
+        with self._transaction() as conn:
+            conn.execute(
+                f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?)",
+                (fork, title, source.model, self._next_position(), now, now),
+            )
+            conn.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, created, meta) "
+                "SELECT ?, role, content, status, created, meta FROM messages WHERE conversation_id = ? AND id <= ? "
+                "ORDER BY id",
+                (fork, conversation_id, through),
+            )
+        return fork
+
     def conversations(self, open_only: bool = False) -> list[ConversationRow]:
         """The open conversations in tab order (position); then, unless open_only, the closed ones, the most
         recently active first."""

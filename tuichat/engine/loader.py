@@ -402,9 +402,13 @@ def _download_bar(progress: ProgressCallback | None, name: str):
             fraction = self.done / self.total if self.total else 1.0
             if fraction < 1.0 and abs(fraction - self.shown) >= 0.01:
                 self.shown = fraction
-                report(progress, f"Downloading {name}: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB", fraction)
+                report(progress, f"Downloading {name}: {_size(self.done)} of {_size(self.total)}", fraction)
 
     return Bar
+
+
+def _size(count: float) -> str:
+    return f"{count / 1e3:,.1f} KB" if count < 1e6 else f"{count / 1e6:,.1f} MB"
 
 
 def family(model: ResolvedModel, progress: ProgressCallback | None = None) -> str:

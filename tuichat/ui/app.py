@@ -33,11 +33,12 @@ from tuichat.config import Config
 from tuichat.locks import ConversationLocks, Owner
 from tuichat.store import ConversationRow, Store
 from tuichat.themes import load_themes
-from tuichat.ui.chat import NEW_TITLE, ChatTab
+from tuichat.ui.chat import NEW_TITLE, TITLE_CHARS, ChatTab
 from tuichat.ui.pacing import PaintPacer
 from tuichat.ui.screens import (
     Dialog,
     FilteredList,
+    ForkPicker,
     HelpScreen,
     ModelPicker,
     RenameScreen,
@@ -105,6 +106,10 @@ class TuichatApp(App[None]):
             show=False, id="reply.edit",
         ),
         Binding("alt+c", "copy_reply", "Copy reply", tooltip="Copy the last reply", show=False, id="copy.reply"),
+        Binding("f5", "fork", "Fork", tooltip="Fork at a message into a new tab sharing its KV", show=False,
+                id="tab.fork"),
+        Binding("f9", "send_all", "Send to all tabs", tooltip="Send the message typed here to every tab", show=False,
+                id="tab.send_all"),
         Binding(
             "alt+b", "copy_code", "Copy code", tooltip="Copy the last code block of the last reply", show=False,
             id="copy.code",
@@ -475,6 +480,54 @@ class TuichatApp(App[None]):
     async def action_new_tab(self) -> None:
         tab = await self.open_tab(self._new_conversation())
         self._preload(tab.model)
+
+    def action_fork(self) -> None:
+        tab = self.active_tab
+        rows = [(r.id, r.role, r.content) for r in self.store.messages(tab.conversation_id)
+                if r.role in ("user", "assistant") and r.status != "streaming" and r.content]
+        if not rows:
+            self.notify("Nothing to fork yet: this conversation has no messages.", severity="warning")
+            return
+
+        def chosen(message_id: int | None) -> None:
+            if message_id is not None:
+                self.run_worker(self._fork(tab, message_id), group="fork", exit_on_error=False)
+
+        self.push_screen(ForkPicker(rows), chosen)
+
+    async def _fork(self, tab: ChatTab, message_id: int) -> None:
+        """A new tab with the conversation up to the chosen reply (or, for a message of the user's, up to the
+        reply before it, the message itself back in the prompt): the same token ids up to there, so its first
+        turn finds them in the prefix cache."""
+        rows = self.store.messages(tab.conversation_id)
+        chosen = next(r for r in rows if r.id == message_id)
+        through = message_id if chosen.role == "assistant" else max((r.id for r in rows if r.id < message_id), default=0)
+        fork = self.store.fork(tab.conversation_id, through, f"{tab.title} · fork"[:TITLE_CHARS])
+        self._claim(fork)
+        if (sampling := self.store.get_setting(sampling_key(tab.conversation_id))) is not None:
+            self.store.set_setting(sampling_key(fork), sampling)
+        new = await self.open_tab(self.store.conversation(fork))
+        if chosen.role == "user":
+            new.prompt.restore(chosen.content)
+        self.notify(f"Forked \"{tab.title}\" into a new tab: its first turn reuses the shared history's KV.",
+                    title="Fork")
+
+    async def action_send_all(self) -> None:
+        """The message typed in this tab, sent in every tab at once: the engine batches their replies."""
+        source = self.active_tab
+        text = source.prompt.text
+        if not text.strip():
+            self.notify("Type the message to send to every tab first.", severity="warning")
+            return
+        targets = [tab for tab in self.tabs() if not tab.busy]
+        source.prompt.remember(text)
+        source.prompt.clear()
+        t_enter = self.tab_services.clock()
+        for tab in targets:
+            await tab.send(text, t_enter)
+        if len(targets) < len(self.tabs()):
+            self.notify(f"Sent to {len(targets)} of {len(self.tabs())} tabs: the others are still replying.",
+                        severity="warning")
 
     async def action_close_tab(self) -> None:
         tab = self.active_tab

@@ -108,6 +108,43 @@ class ModelPicker(FilteredList):
         self.dismiss(option.id)
 
 
+class ForkPicker(FilteredList):
+    """Pick the message to fork the conversation at: the latest first; typing filters by text."""
+
+    def __init__(self, messages: list[tuple[int, str, str]]) -> None:
+        super().__init__()
+        self.messages = messages  # (message id, role, text), oldest first
+
+    def compose(self):
+        with Vertical(classes="dialog wide"):
+            yield Label("Fork this conversation at a message")
+            yield Input(placeholder="words of the message", id="fork-filter")
+            yield OptionList(id="fork-messages")
+            yield Static("Enter forks: a new tab with the conversation up to that reply (a message of yours goes "
+                         "back into its prompt) · Esc cancels", classes="hint")
+
+    def on_mount(self) -> None:
+        self._refilter("")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self._refilter(event.value)
+
+    def _refilter(self, typed: str) -> None:
+        option_list = self.query_one(OptionList)
+        words = typed.lower().split()
+        option_list.set_options(
+            Option(Content.assemble((f"{role}  ", "bold"), " ".join(text.split())[:200]), id=str(message_id))
+            for message_id, role, text in reversed(self.messages)
+            if all(word in text.lower() for word in words)
+        )
+        if option_list.option_count:
+            option_list.highlighted = 0
+
+    def choose(self, option: Option) -> None:
+        if option.id is not None:
+            self.dismiss(int(option.id))
+
+
 class SearchScreen(FilteredList):
     """Full-text search over every conversation, open or closed; Enter opens the hit."""
 
