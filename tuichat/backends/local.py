@@ -307,9 +307,8 @@ class LocalBackend:
         limit = min(engine.max_model_len, engine.capacity_tokens) - 1
         summarise = self.options.context_policy == "summarise"
         fit = context.fit if self.options.context_policy != "refuse" else context.whole
-        fitted = fit(messages, count, limit, min(params.max_tokens, limit // 4),
-                             start=previous.dropped if same else 0, extra=summary_tokens(limit) if summarise else 0,
-                             name=name)
+        fitted = fit(messages, count, limit, min(params.max_tokens, limit // 4), start=previous.dropped if same else 0,
+                     extra=summary_tokens(limit) if summarise else 0, name=name)
         system, rest = context.split(messages)
         summary = None
         if summarise and fitted.dropped:
