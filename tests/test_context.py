@@ -198,3 +198,19 @@ def test_the_refuse_policy_answers_a_history_too_long_with_the_engines_refusal(t
 
     assert asyncio.run(run()) == (f"The prompt is {len(template_ids(embedded[3], messages))} tokens long; "
                                   f"{tiny_chat_model} takes at most {LIMIT}.")
+
+
+def test_a_prefill_while_typing_makes_no_summary(tiny_chat_model):
+    """Under the summarise policy, a prefill ahead of a turn that needs a new summary does nothing: the summary
+    is a request of the foreground's priority, made for the turn itself."""
+    backend = LocalBackend(EngineOptions(dtype="float32", context_policy="summarise"), default_model=tiny_chat_model)
+    messages = [*history(8), Message("user", "And now?")]
+
+    async def run():
+        prepared = await backend.prefill("c", messages)
+        engine = backend._loaded[tiny_chat_model].engine
+        admitted = engine.scheduler.admitted_prompt_tokens
+        await backend.close()
+        return prepared, admitted
+
+    assert asyncio.run(run()) == (0, 0)

@@ -285,10 +285,11 @@ class LocalBackend:
 
     # -- prompts ------------------------------------------------------------------------------------------
     async def _prompt(self, name: str, loaded: _Loaded, conversation_id: str, messages: Sequence[Message],
-                      params: SamplingParams) -> _Turn:
+                      params: SamplingParams, ahead: bool = False) -> _Turn:
         """The turn's prompt: the conversation fitted in the model's context under the context policy
         (context.fit), rendered by its chat template, spliced onto the previous turn's ids where it continues
-        it (next_prompt), with the reason, if any, why it does not."""
+        it (next_prompt), with the reason, if any, why it does not. `ahead` (a prefill while typing): a new
+        summary is not made for it (TuichatError), since making one is a request of the foreground's priority."""
         if not messages or messages[-1].role != "user" or not messages[-1].content.strip():
             raise TuichatError("The prompt is empty.")
         engine, tokenizer = loaded.engine, loaded.tokenizer
@@ -312,8 +313,12 @@ class LocalBackend:
         system, rest = context.split(messages)
         summary = None
         if summarise and fitted.dropped:
-            summary = (previous.summary if same and previous.dropped == fitted.dropped and previous.summary else
-                       await self._summarise(name, loaded, rest[:fitted.dropped]))
+            if same and previous.dropped == fitted.dropped and previous.summary:
+                summary = previous.summary
+            elif ahead:
+                raise TuichatError("A summary is made for the turn itself, not ahead of it.")
+            else:
+                summary = await self._summarise(name, loaded, rest[:fitted.dropped])
         sent = context.with_summary(system, summary) + rest[fitted.dropped:]
         rendered = render(sent)
         earlier = previous if same else self._continued(name, loaded, sent, rendered)
@@ -410,7 +415,8 @@ class LocalBackend:
         the prefix cache; a newer prefill of the conversation, or its turn, cancels it. Returns the prompt's
         tokens, 0 where nothing was done (it was cancelled, or the prompt cannot run as it is)."""
         async def build(name: str, loaded: _Loaded):
-            return (await self._prompt(name, loaded, conversation_id, messages, SamplingParams(max_tokens=1))).ids, None, None
+            turn = await self._prompt(name, loaded, conversation_id, messages, SamplingParams(max_tokens=1), ahead=True)
+            return turn.ids, None, None
 
         prompt = 0
         try:

@@ -15,8 +15,9 @@ class BenchBackend(LocalBackend):
         super().__init__(*args, **kwargs)
         self._reused: dict[str, int] = {}  # conversation -> its last turn's history ids taken over unchanged
 
-    async def _prompt(self, name: str, loaded, conversation_id: str, messages: Sequence[Message], params):
-        turn = await super()._prompt(name, loaded, conversation_id, messages, params)
+    async def _prompt(self, name: str, loaded, conversation_id: str, messages: Sequence[Message], params,
+                      ahead: bool = False):
+        turn = await super()._prompt(name, loaded, conversation_id, messages, params, ahead)
         self._reused[conversation_id] = turn.reused
         return turn
 
