@@ -294,11 +294,16 @@ class LocalBackend:
             raise TuichatError("The prompt is empty.")
         engine, tokenizer = loaded.engine, loaded.tokenizer
 
+        rendered_for: dict[tuple[Message, ...], str] = {}  # fit's count and the prompt render the same lists
+
         def render(sent: Sequence[Message]) -> str:
-            try:
-                return chat_text(tokenizer, sent)
-            except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
-                raise TuichatError(f"{name}'s chat template rejected the conversation: {exc}") from exc
+            key = tuple(sent)
+            if key not in rendered_for:
+                try:
+                    rendered_for[key] = chat_text(tokenizer, sent)
+                except Exception as exc:  # a template may reject e.g. a system message or two user turns in a row
+                    raise TuichatError(f"{name}'s chat template rejected the conversation: {exc}") from exc
+            return rendered_for[key]
 
         def count(sent: list[Message]) -> int:
             return len(tokenizer(render(sent), add_special_tokens=False)["input_ids"])
