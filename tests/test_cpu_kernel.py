@@ -185,7 +185,7 @@ def test_a_compile_that_hangs_is_given_up(fresh_load, monkeypatch, tmp_path):
     assert kernel is None and "took over 1 s" in why
 
 
-def test_without_kernels_the_dtype_is_what_torch_runs_best(fresh_load, monkeypatch, tmp_path):
+def test_without_kernels_the_dtype_is_what_torch_runs_best(fresh_load, monkeypatch, tmp_path, session_cache):
     """A build that fails decides the dtype as having no kernels does: bf16 only where torch has native bf16."""
     from tuichat.engine import loader
 
@@ -194,21 +194,16 @@ def test_without_kernels_the_dtype_is_what_torch_runs_best(fresh_load, monkeypat
     monkeypatch.setattr(loader, "cpu_flags", lambda: set())  # a CPU without native bf16 dot products
     assert loader.resolve_dtype("auto", torch.device("cpu"), "llama") is torch.float32
     monkeypatch.delenv("CC")
-    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "built"))
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(session_cache))  # built there once for the whole session
     fresh_load.cache_clear()
     assert loader.resolve_dtype("auto", torch.device("cpu"), "llama") is torch.bfloat16
 
 
 def test_a_first_build_is_announced(fresh_load, monkeypatch, tmp_path):
-    """The first build takes seconds: the backend shows progress when build_pending() says one is coming."""
+    """The first build takes seconds: the backend shows progress when build_pending() says one is coming (the
+    test below sees it false once a build is done)."""
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path))
     assert build.build_pending()
-    kernel, why = fresh_load()
-    assert kernel is not None, why
-    assert not build.build_pending()  # loaded in this process
-    build.load.cache_clear()
-    assert not build.build_pending()  # and on disk for the next one
-
 
 
 @pytest.fixture
@@ -238,16 +233,31 @@ def assert_works(kernel) -> None:
     torch.testing.assert_close(kernel(x, w, None).float(), F.linear(x, w).float(), rtol=1 / 64, atol=1e-2)
 
 
-def test_a_tampered_library_is_rebuilt_not_loaded(copied_build, fresh_load):
+def test_a_tampered_library_is_rebuilt_private_under_a_permissive_umask_not_loaded(copied_build, fresh_load):
+    """One rebuild (they take seconds) for two reasons to make one: the library is not what was built, and the
+    kernels folder is one others could write (left so by someone, or an older tuichat). Under a umask that
+    grants everyone everything, all the build writes is private."""
     with copied_build.open("ab") as library:
         library.write(b"\0")
+    copied_build.parent.parent.chmod(0o777)
     tampered = copied_build.stat().st_ino
-    kernel, why = fresh_load()
+    assert build.build_pending()
+    umask = os.umask(0)
+    try:
+        kernel, why = fresh_load()
+    finally:
+        os.umask(umask)
     assert kernel is not None, why
     assert copied_build.stat().st_ino != tampered
     assert (copied_build.parent / "cpu_kernels.so.sha256").read_text().strip() == sha256(copied_build)
     # What this process mapped is the new file; the tampered one never was (it would show as deleted).
     assert mapped_from(copied_build.parent.parent) == [str(copied_build)]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (copied_build.parent.parent, copied_build.parent,
+                                                              copied_build, copied_build.parent / "cpu_kernels.so.sha256")}
+    assert modes == {"kernels": 0o700, copied_build.parent.name: 0o700, "cpu_kernels.so": 0o700,
+                     "cpu_kernels.so.sha256": 0o600}
+    build.load.cache_clear()
+    assert not build.build_pending()  # on disk, trusted, for the next process
     assert_works(kernel)
 
 
@@ -273,24 +283,6 @@ def test_a_library_others_could_write_or_that_is_not_ours_is_not_trusted(copied_
             path.chmod(mode)
         (copied_build.parent / "cpu_kernels.so.sha256").write_text(digest)
         assert not build.build_pending(), f"{what}, undone"
-
-
-def test_an_untrusted_build_is_rebuilt_private_under_a_permissive_umask(copied_build, fresh_load):
-    copied_build.chmod(0o770)
-    copied_build.parent.parent.chmod(0o777)
-    before = copied_build.stat().st_ino
-    umask = os.umask(0)
-    try:
-        kernel, why = fresh_load()
-    finally:
-        os.umask(umask)
-    assert kernel is not None, why
-    assert copied_build.stat().st_ino != before
-    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (copied_build.parent.parent, copied_build.parent,
-                                                              copied_build, copied_build.parent / "cpu_kernels.so.sha256")}
-    assert modes == {"kernels": 0o700, copied_build.parent.name: 0o700, "cpu_kernels.so": 0o700,
-                     "cpu_kernels.so.sha256": 0o600}
-    assert_works(kernel)
 
 
 def sha256(path: Path) -> str:

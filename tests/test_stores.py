@@ -72,8 +72,9 @@ def gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch, gguf):
-    """A HOME with the embedded GGUF in each store, and a config folder: (HOME, the model_dirs folder)."""
+def home(tmp_path, monkeypatch, gguf, session_cache):
+    """A HOME with the embedded GGUF in each store, and a config folder: (HOME, the model_dirs folder). The cache
+    is the test's own, with the session's kernels copied in (modes kept): a load here builds none."""
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)
@@ -82,6 +83,8 @@ def home(tmp_path, monkeypatch, gguf):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    if (session_cache / "kernels").is_dir():
+        shutil.copytree(session_cache / "kernels", tmp_path / "cache" / "kernels")
     ollama_model(home / ".ollama" / "models", "smollm2", "135m", gguf, "1" * 64, params={"stop": ["<|im_end|>"]})
     lmstudio = home / ".lmstudio" / "models" / "bartowski" / "SmolLM2-135M-Instruct-GGUF"
     lmstudio.mkdir(parents=True)
