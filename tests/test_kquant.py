@@ -1,7 +1,8 @@
 """Q4_K and Q6_K weights read in the file's own layout (ggml's super-blocks of 256, no re-cut), on every build
 this CPU can run: the result is gguf's own dequantization of the same bytes times the inputs quantized to
 int8 per 256 (the kernel's method), to fp32 summation error; and a row's result does not depend on its batch,
-nor on which of the two kernels (row tiles for few rows, a GEMM for many) ran it."""
+nor on which of the three kernels (row tiles for up to 4 rows, a lane per row up to 32, a GEMM for more) ran
+it."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def test_a_k_quant_linear_is_gguf_dequantized_times_its_int8_inputs(kernels, nam
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
-    """37, 17 or 6 rows go through the GEMM where the build has one (512-bit VNNI), one row or four through the row
-    tiles: the same outputs, bit for bit."""
+    """37 rows go through the GEMM where the build has one (512-bit VNNI), 17 or 6 a lane each, one row or four
+    through the row tiles: the same outputs, bit for bit."""
     k = 768
     raw = blocks(name, 32, k, seed=5)
     weight = PackedWeight(torch.from_numpy(raw), FORMATS[name][0], 32, k)

@@ -11,13 +11,15 @@
  * the -32's and the minimums' terms), as llama.cpp's Q8_K. Per output and super-block the arithmetic is fixed:
  * two exact int32 sums, S (the sub-blocks' dot products times their scales) and, for Q4_K, Ms (the minimums
  * times the inputs' sums), then acc = fma(S, d * dx, acc) and acc = fma(Ms, -dmin * dx, acc) in fp32, block
- * after block. Any way of getting the integers gives the same output, so two kernels share the work:
- * - rows (up to 4 input rows: decodes): a tile is 4 weight rows, each read whole before the next (one stream per
- *   thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
+ * after block. Any way of getting the integers gives the same output, so three kernels share the work:
+ * - rows (up to 4 input rows: a decode): a tile is 4 weight rows, each read whole before the next (one stream
+ *   per thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
  *   their bytes, so that every weight vector meets its inputs with one load.
- * - a GEMM (5 or more input rows, with 512-bit VNNI): 16 weight rows are unpacked per super-block (loads and
- *   transposes) into one vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64
- *   products an instruction, the 16 rows' fp32 sums in the lanes.
+ * - lanes (5 to 32 input rows: tabs decoding together, speculation's verify rows; 512-bit VNNI builds): a lane
+ *   per input row, each 4 weights broadcast against 8 rows' inputs at once (kx_tile below).
+ * - a GEMM (more rows: prefill): 16 weight rows are unpacked per super-block (loads and transposes) into one
+ *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
+ *   the 16 rows' fp32 sums in the lanes.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
@@ -444,20 +446,163 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, speculation's verify rows) the other way round from
+ * the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its 256 quants in natural
+ * order (ands and shifts, no transposes), and each 4 of them, broadcast, meet the 8 input rows' 4 inputs at that
+ * position with one 256-bit dpbusd; the inputs are transposed once per call. The sub-blocks' scales multiply
+ * the 8 rows' sums at once. Same exact int32 S and Ms, same fmas in the same order: the same outputs. */
+#define KX_LANES 8  /* input rows per pass: an int32 lane each */
+#define KX_NR 4     /* weight rows unpacked together (their broadcasts share each load of the inputs) */
+#define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
+#define KX_MAX_M 32
+#define KX_AHEAD 4  /* super-blocks ahead that each weight row's bytes are asked for */
+
+/* KX_LANES input rows at one super-block: dword p (inputs 4p..4p+3, natural order) of each, their scales, Q4_K's
+ * sub-block sums as int16 pairs (lane: s[2k] | s[2k + 1] << 16), Q6_K's 32 times the sum of each 16. */
+typedef struct {
+    int32_t q[64][KX_LANES];
+    float d[KX_LANES];
+    int32_t halves[4][KX_LANES];
+    int32_t sums32[16][KX_LANES];
+} kx_block;
+
+static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int b, kx_block *o) {
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* Q4_K's inputs are stored in its vectors' order */
+    memset(o, 0, sizeof *o);
+    for (int i = 0; i < KX_LANES && mt * KX_LANES + i < M; i++) {
+        const q8_block *a = xq + (long)(mt * KX_LANES + i) * blocks + b;
+        for (int p = 0; p < 64; p++) memcpy(&o->q[p][i], a->q + (q4 ? 32 * order[p / 8] + 4 * (p % 8) : 4 * p), 4);
+        o->d[i] = a->d;
+        for (int k = 0; k < 4; k++)
+            o->halves[k][i] = (int32_t)((uint32_t)(uint16_t)a->halves[2 * k] | (uint32_t)(uint16_t)a->halves[2 * k + 1] << 16);
+        for (int g = 0; g < 16; g++) o->sums32[g][i] = 32 * a->sums[g];
+    }
+}
+
+/* Row `blk`'s super-block: its quants in natural order into wb (0..15, or Q6_K's 0..63), and its scales. */
+static inline void kx_unpack(const uint8_t *blk, int q4, uint8_t *wb, float *d, float *nd, int32_t *sc, int32_t *mn) {
+    const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+    if (q4) {
+        uint16_t h[2];
+        memcpy(h, blk, 4);
+        *d = half_to_float(h[0]);
+        *nd = -half_to_float(h[1]);
+        uint8_t s8[8], m8[8];
+        q4_k_scales(blk + 4, s8, m8);
+        /* the scales as int32, the minimums' pairs as int16 (dword k: m[2k] | m[2k + 1] << 16) */
+        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s8)));
+        _mm_storeu_si128((__m128i *)mn, _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8)));
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            _mm256_store_si256((__m256i *)(wb + 64 * c), _mm256_and_si256(v, nib));
+            _mm256_store_si256((__m256i *)(wb + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+        }
+        return;
+    }
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    *d = half_to_float(dh);
+    *nd = 0.0f;
+    for (int g = 0; g < 16; g++) sc[g] = (int8_t)blk[192 + g];
+    for (int h = 0; h < 2; h++) { /* weights 128h + 32t + i: ql's nibble t / 2 of chunk t % 2, qh's pair t */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t % 2)));
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t / 2)), nib);
+            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
+            _mm256_store_si256((__m256i *)(wb + 128 * h + 32 * t), _mm256_or_si256(lo, hi));
+        }
+    }
+}
+
+static inline int32_t w_four(const uint8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    return four;
+}
+
+/* Weight rows n0..n0+KX_NR-1 against all M input rows: acc holds [M tiles][KX_NR][KX_LANES] sums. */
+static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long row_bytes, int blocks, const int q4,
+                                                          const kx_block *kx, int M, int n0, float *acc,
+                                                          const uint16_t *bias, void *y, long y_stride, int f32) {
+    const int tiles = (M + KX_LANES - 1) / KX_LANES, bytes = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    _Alignas(32) uint8_t wb[KX_NR][QK];
+    float d[KX_NR], nd[KX_NR];
+    int32_t sc[KX_NR][16], mn[KX_NR][4];
+    memset(acc, 0, sizeof(float) * KX_NR * KX_LANES * (size_t)tiles);
+    for (int b = 0; b < blocks; b++) {
+        for (int r = 0; r < KX_NR; r++) {
+            const uint8_t *blk = w + (long)(n0 + r) * row_bytes + (long)b * bytes;
+            if (b + KX_AHEAD < blocks)
+                for (int line = 0; line < bytes + 64; line += 64)
+                    _mm_prefetch((const char *)blk + KX_AHEAD * bytes + line, _MM_HINT_T0);
+            kx_unpack(blk, q4, wb[r], d + r, nd + r, sc[r], mn[r]);
+        }
+        for (int t = 0; t < tiles; t++) {
+            const kx_block *x = kx + (long)t * blocks + b;
+            __m256i S[KX_NR];
+            for (int r = 0; r < KX_NR; r++) S[r] = _mm256_setzero_si256();
+            const int groups = q4 ? 8 : 16, per = q4 ? 8 : 4; /* dwords of a scale's group */
+            for (int g = 0; g < groups; g++) {
+                __m256i dot[KX_NR];
+                for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_setzero_si256();
+                for (int v = 0; v < per; v++) {
+                    __m256i xv = _mm256_load_si256((const __m256i *)x->q[per * g + v]);
+                    /* in a register: one load for the KX_NR dpbusd, not one each (the broadcasts load enough) */
+                    __asm__("" : "+v"(xv));
+                    for (int r = 0; r < KX_NR; r++)
+                        dot[r] = _mm256_dpbusd_epi32(dot[r], _mm256_set1_epi32(w_four(wb[r] + 4 * (per * g + v))), xv);
+                }
+                if (!q4) {
+                    const __m256i offset = _mm256_load_si256((const __m256i *)x->sums32[g]);
+                    for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_sub_epi32(dot[r], offset);
+                }
+                for (int r = 0; r < KX_NR; r++) S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(dot[r], _mm256_set1_epi32(sc[r][g])));
+            }
+            const __m256 dx = _mm256_load_ps(x->d);
+            for (int r = 0; r < KX_NR; r++) {
+                float *at = acc + ((long)t * KX_NR + r) * KX_LANES;
+                __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[r]), _mm256_mul_ps(_mm256_set1_ps(d[r]), dx), _mm256_loadu_ps(at));
+                if (q4) {
+                    __m256i ms = _mm256_setzero_si256();
+                    for (int k = 0; k < 4; k++)
+                        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(_mm256_set1_epi32(mn[r][k]), _mm256_load_si256((const __m256i *)x->halves[k])));
+                    o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(nd[r]), dx), o);
+                }
+                _mm256_storeu_ps(at, o);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float out[KX_NR];
+        for (int r = 0; r < KX_NR; r++) out[r] = acc[((long)(m / KX_LANES) * KX_NR + r) * KX_LANES + m % KX_LANES];
+        store_outputs(out, KX_NR, bias, y, (long)m * y_stride, n0, f32);
+    }
+}
+#endif
+
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32) {
     if (M < 1 || M > 512 || K % QK || N % KQ_NR || !kquant_format(format)) return -1;
     const int blocks = K / QK, q4 = format == FMT_Q4_K;
     const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const int lanes = M >= KX_MIN_M && M <= KX_MAX_M, tiles = (M + KX_LANES - 1) / KX_LANES;
+    const size_t kx_bytes = lanes ? sizeof(kx_block) * (size_t)tiles * blocks + 64 : 0;
+#else
+    const int lanes = 0;
+    const size_t kx_bytes = 0;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int gemm = M >= KG_MIN_M && N % KG_ROWS == 0;
+    const int gemm = !lanes && M >= KG_MIN_M && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
     const size_t own = 0;
 #endif
-    char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + (gemm ? own * threads + 64 : 0));
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + kx_bytes + (gemm ? own * threads + 64 : 0));
     if (!memory) return -2;
     q8_block *xq = (q8_block *)memory;
     const int full = M / KQ_MR * KQ_MR;
@@ -465,6 +610,19 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quantize_row(x, f32, (long)m * x_stride, K, q4, xq + (long)m * blocks);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (lanes) {
+            kx_block *kx = (kx_block *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64);
+            #pragma omp for schedule(static)
+            for (int i = 0; i < tiles * blocks; i++) kx_inputs(xq, M, blocks, q4, i / blocks, i % blocks, kx + i);
+            float acc[KX_NR * KX_LANES * (KX_MAX_M / KX_LANES)];
+            #pragma omp for schedule(static) nowait
+            for (int t = 0; t < N / KX_NR; t++) {
+                if (q4) kx_tile(w, row_bytes, blocks, 1, kx, M, t * KX_NR, acc, bias, y, y_stride, f32);
+                else kx_tile(w, row_bytes, blocks, 0, kx, M, t * KX_NR, acc, bias, y, y_stride, f32);
+            }
+        } else
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if (gemm) {
             char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
