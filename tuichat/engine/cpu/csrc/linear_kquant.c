@@ -456,7 +456,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
 #define KX_NR 4     /* weight rows unpacked together (their broadcasts share each load of the inputs) */
 #define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
 #define KX_MAX_M 32
-#define KX_AHEAD 4  /* super-blocks ahead that each weight row's bytes are asked for */
+#define KX_AHEAD 1  /* super-blocks ahead that each weight row's bytes are asked for (further measured slower) */
 
 /* KX_LANES input rows at one super-block: dword p (inputs 4p..4p+3, natural order) of each, their scales, Q4_K's
  * sub-block sums as int16 pairs (lane: s[2k] | s[2k + 1] << 16), Q6_K's 32 times the sum of each 16. */
