@@ -117,76 +117,144 @@ static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], cons
     return sum;
 }
 
-static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
-                                                            const q8_block *xq, int mr, float *acc) {
+/* Two vectors' lanes folded into one: 128-bit lanes 0-1 hold a's halves summed, 2-3 b's. */
+static inline __m512i fold2(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+}
+
+/* The lane sums of the four vectors folded into ab and cd, [a, b, c, d]: one shuffle network for the four (a full
+ * reduction of each, a super-block at a time, was ~30 % of a one-row pass). */
+static inline __m128i sum4(__m512i ab, __m512i cd) {
+    __m512i v = _mm512_add_epi32(_mm512_shuffle_i64x2(ab, cd, 0x88), _mm512_shuffle_i64x2(ab, cd, 0xdd));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, 0x4e));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, 0xb1));
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), v));
+}
+
+#define KQ_GROUP 4 /* super-blocks whose sums are reduced together */
+
+/* Super-block b of weight row `row`: each input row's S as 16 lanes to sum (and Q4_K's Ms as 4), its d and dmin. */
+static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
+                                                             const int mr, __m512i *sums, __m128i *msums, float *d,
+                                                             float *dmin) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const __m512i idx[4] = {lanes_of(0, 0, 2, 2), lanes_of(1, 1, 3, 3), lanes_of(4, 4, 6, 6), lanes_of(5, 5, 7, 7)};
-    for (int r = 0; r < KQ_NR; r++)
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *blk = w + r * row_bytes + (long)b * Q4_K_BYTES;
-            _mm_prefetch((const char *)blk + KQ_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + KQ_AHEAD + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + KQ_AHEAD + 128, _MM_HINT_T0);
-            uint16_t h[2];
-            memcpy(h, blk, 4);
-            const float d = half_to_float(h[0]), dmin = half_to_float(h[1]);
-            uint8_t sc[8], mn[8];
-            q4_k_scales(blk + 4, sc, mn);
-            uint64_t sc64, mn64;
-            memcpy(&sc64, sc, 8);
-            memcpy(&mn64, mn, 8);
-            const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
-            const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-            const __m512i wv[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
-                                   _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
-            __m512i sv[4];
-            for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+    const uint8_t *blk = row + (long)b * Q4_K_BYTES;
+    _mm_prefetch((const char *)blk + KQ_AHEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 64, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 128, _MM_HINT_T0);
+    uint16_t h[2];
+    memcpy(h, blk, 4);
+    *d = half_to_float(h[0]);
+    *dmin = half_to_float(h[1]);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
+    uint64_t sc64, mn64;
+    memcpy(&sc64, sc, 8);
+    memcpy(&mn64, mn, 8);
+    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+    const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+    const __m512i wv[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
+                           _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    __m512i sv[4];
+    for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+    for (int m = 0; m < mr; m++) {
+        const q8_block *a = xq + (long)m * blocks + b;
+        sums[m] = scaled_dots(wv, sv, a->q);
+        /* the minimums' term: m[s] times the sum of sub-block s's inputs (two sums of 16 each) */
+        msums[m] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves));
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
+                                                             const int mr, __m512i *sums, float *d) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
+    const uint8_t *blk = row + (long)b * Q6_K_BYTES;
+    for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, _MM_HINT_T0);
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    *d = half_to_float(dh);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    const __m512i scales = _mm512_castsi256_si512(sc16);
+    __m512i wv[4], sv[4];
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4));
+        wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
+                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4));
+    }
+    for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+    for (int m = 0; m < mr; m++) {
+        const q8_block *a = xq + (long)m * blocks + b;
+        /* q - 32: 32 times each group's scale times its inputs' sum */
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
+        sums[m] = _mm512_sub_epi32(scaled_dots(wv, sv, a->q), _mm512_zextsi256_si512(offset));
+    }
+}
+
+/* Weight row r's super-blocks, KQ_GROUP at a time: each input row's sums of four blocks reduced together, then
+ * the fmas in block order, as a block at a time makes them; the last blocks one at a time. */
+static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, const int q4, int blocks,
+                                                         const q8_block *xq, const int mr, float *acc, int r) {
+    int b = 0;
+    for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
+        __m512i s[KQ_MR], ab[KQ_MR], cd[KQ_MR];
+        __m128i ms[KQ_MR], msa[KQ_MR], msb[KQ_MR];
+        float d[KQ_GROUP], dmin[KQ_GROUP] = {0};
+        for (int i = 0; i < KQ_GROUP; i++) {
+            __m512i t[KQ_MR];
+            __m128i mt[KQ_MR];
+            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t, mt, d + i, dmin + i);
+            else q6_k_block(row, b + i, xq, blocks, mr, t, d + i);
             for (int m = 0; m < mr; m++) {
-                const q8_block *a = xq + (long)m * blocks + b;
-                const int sum = _mm512_reduce_add_epi32(scaled_dots(wv, sv, a->q));
-                /* the minimums' term: m[s] times the sum of sub-block s's inputs (two sums of 16 each) */
-                const int msum = hsum4(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves)));
-                float *out = acc + m * KQ_NR + r;
-                *out = fmaf((float)sum, d * a->d, *out);
-                *out = fmaf((float)msum, -dmin * a->d, *out);
+                if (i % 2 == 0) s[m] = t[m];
+                else if (i == 1) ab[m] = fold2(s[m], t[m]);
+                else cd[m] = fold2(s[m], t[m]);
+                if (!q4) continue;
+                if (i % 2 == 0) ms[m] = mt[m];
+                else if (i == 1) msa[m] = _mm_hadd_epi32(ms[m], mt[m]);
+                else msb[m] = _mm_hadd_epi32(ms[m], mt[m]);
             }
         }
+        for (int m = 0; m < mr; m++) {
+            int32_t S[KQ_GROUP], Ms[KQ_GROUP];
+            _mm_storeu_si128((__m128i *)S, sum4(ab[m], cd[m]));
+            if (q4) _mm_storeu_si128((__m128i *)Ms, _mm_hadd_epi32(msa[m], msb[m]));
+            float *out = acc + m * KQ_NR + r;
+            for (int i = 0; i < KQ_GROUP; i++) {
+                const float dx = xq[(long)m * blocks + b + i].d;
+                *out = fmaf((float)S[i], d[i] * dx, *out);
+                if (q4) *out = fmaf((float)Ms[i], -dmin[i] * dx, *out);
+            }
+        }
+    }
+    for (; b < blocks; b++) {
+        __m512i t[KQ_MR];
+        __m128i mt[KQ_MR];
+        float d, dmin = 0.0f;
+        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &d, &dmin);
+        else q6_k_block(row, b, xq, blocks, mr, t, &d);
+        for (int m = 0; m < mr; m++) {
+            const float dx = xq[(long)m * blocks + b].d;
+            float *out = acc + m * KQ_NR + r;
+            *out = fmaf((float)_mm512_reduce_add_epi32(t[m]), d * dx, *out);
+            if (q4) *out = fmaf((float)hsum4(mt[m]), -dmin * dx, *out);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, float *acc) {
+    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 1, blocks, xq, mr, acc, r);
 }
 
 static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
                                                             const q8_block *xq, int mr, float *acc) {
-    const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
-    const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
-    for (int r = 0; r < KQ_NR; r++)
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *blk = w + r * row_bytes + (long)b * Q6_K_BYTES;
-            for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, _MM_HINT_T0);
-            uint16_t dh;
-            memcpy(&dh, blk + 208, 2);
-            const float d = half_to_float(dh);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512i scales = _mm512_castsi256_si512(sc16);
-            __m512i wv[4], sv[4];
-            for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-                wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4));
-                wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib),
-                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4));
-            }
-            for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
-            for (int m = 0; m < mr; m++) {
-                const q8_block *a = xq + (long)m * blocks + b;
-                __m512i sum = scaled_dots(wv, sv, a->q);
-                /* q - 32: 32 times each group's scale times its inputs' sum */
-                const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
-                sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-                float *out = acc + m * KQ_NR + r;
-                *out = fmaf((float)_mm512_reduce_add_epi32(sum), d * a->d, *out);
-            }
-        }
+    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 0, blocks, xq, mr, acc, r);
 }
 #else
 /* Without 512-bit integer vectors: the same exact integer sums, one at a time. */
