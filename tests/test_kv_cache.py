@@ -4,11 +4,13 @@ frees every block at the end; an identical prompt reuses the full blocks but rec
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuichat.backends.protocol import SamplingParams
-from tuichat.engine.kv_cache import BlockManager, CacheFull
+from tuichat.engine.heap import process_memory
+from tuichat.engine.kv_cache import BlockManager, CacheFull, KVCache
 from tuichat.engine.request import Sequence
 
 ops = st.lists(
@@ -99,3 +101,18 @@ def test_without_the_prefix_cache_nothing_is_shared():
     again = Sequence([7] * 10, SamplingParams())
     manager.allocate(again)
     assert not set(again.block_table) & set(first.block_table) and again.num_computed == 0
+
+
+def test_a_cpu_pool_takes_memory_as_it_fills_and_reads_zero_where_unwritten():
+    """A 3B Llama's 16k-token pool (1.8 GB): the process's resident memory grows by what the cached tokens use,
+    not by the pool's size (it was file + 2.3 GB at `ask --max-tokens 1` on a 2 GB file)."""
+    before, _ = process_memory()
+    kv = KVCache(28, 1024, 16, 8, 128, torch.float16, [torch.device("cpu")] * 28)
+    assert process_memory()[0] - before < 64 * 2**20
+    for layer in range(28):  # one block of 16 tokens written in every layer: 1.8 MB, in 56 tensors' first pages
+        kv.k[layer][:16] = 1.0
+        kv.v[layer][:16] = 2.0
+    # Pages are the kernel's: 4 KB, or 2 MB where it gives transparent huge pages (then ~112 MB here).
+    assert process_memory()[0] - before < KVCache.bytes_per_block(28, 16, 8, 128, torch.float16) * 1024 // 4
+    assert kv.k[5][16:].abs().sum() == 0 and kv.v[27][-16:].abs().sum() == 0 and kv.k[0][:16].sum() == 16 * 8 * 128
+    assert all(t.is_contiguous() and t.shape == (16384, 8, 128) for t in (*kv.k, *kv.v))

@@ -13,10 +13,12 @@ freed first (LRU), like vLLM's free-block queue.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tuichat.engine.request import Sequence
@@ -171,6 +173,13 @@ class KVCache:
         devices: list[torch.device],
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        size = 2 * num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if size and all(torch.device(d).type == "cpu" for d in devices[:num_layers]):
+            # One calloc'd pool (numpy's zeros; torch.zeros writes every byte): the kernel maps its zero pages on
+            # first write, so the process's memory grows with the tokens cached, not with the pool's size.
+            pool = torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).view(2, num_layers, *shape)
+            self.k, self.v = list(pool[0]), list(pool[1])
+            return
         self.k = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
 
