@@ -337,7 +337,7 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
-#define KG_MIN_M 5 /* input rows from which the GEMM, unpacking included, beats the row tiles (gguf_linears.py) */
+#define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
  * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
