@@ -2,9 +2,12 @@
 layout (Q4_K, Q6_K), straight from the mapped file, times `rows` inputs, as a step of that many rows does.
 
     .venv/bin/python scripts/gguf_linears.py FILE.gguf [--rows 1,8,64] [--repeats 5] [--recut]
+        [--only NAME] [--threads N]
 
 --recut times the same linears the way the engine serves them today instead: re-cut into blocks of 32 and
-packed into the tiled path's order (a copy in memory, made here first).
+packed into the tiled path's order (a copy in memory, made here first). --only keeps the tensors whose name
+holds NAME (one tensor that fits in L3 times the kernel's instructions rather than the memory's bandwidth);
+--threads sets the kernels' threads (default: torch's).
 
 Prints, per number of rows, the pass's time and the weight read rate by format (the output layer included: a
 decode step reads it whole). Numbers vary with what else the machine runs: compare rows of one run.
@@ -34,7 +37,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--recut", action="store_true", help="time the re-cut, packed copies instead")
+    parser.add_argument("--only", default="", help="only the tensors whose name holds this")
+    parser.add_argument("--threads", type=int, default=0, help="the kernels' threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kernels, why = build.load()
     if kernels is None:
         raise SystemExit(f"no CPU kernels: {why}")
@@ -44,7 +51,7 @@ def main() -> None:
         warnings.simplefilter("ignore", UserWarning)
         for tensor in GGUFReader(args.gguf).tensors:
             fmt = int(tensor.tensor_type)
-            if fmt in IN_PLACE and len(tensor.shape) == 2:
+            if fmt in IN_PLACE and len(tensor.shape) == 2 and args.only in tensor.name:
                 k, n = (int(v) for v in tensor.shape)
                 blocks = np.asarray(tensor.data)
                 if args.recut:
@@ -65,8 +72,12 @@ def main() -> None:
             for fmt, spent in this.items():
                 seconds[fmt] = min(seconds[fmt], spent)
         total = sum(seconds.values())
-        parts = ", ".join(f"{NAMES[fmt]} {sum(w.bytes for w in weights if w.format == fmt) / s / 1e9:.1f} GB/s"
-                          for fmt, s in sorted(seconds.items()))
+        def rate(fmt: int, spent: float) -> str:
+            ours = [w for w in weights if w.format == fmt]
+            blocks = sum(w.out_features * w.in_features for w in ours) / 256  # super-blocks of 256 weights
+            return (f"{NAMES[fmt]} {sum(w.bytes for w in ours) / spent / 1e9:.1f} GB/s, "
+                    f"{spent * 1e9 * torch.get_num_threads() / blocks:.1f} ns a super-block a thread")
+        parts = ", ".join(rate(fmt, spent) for fmt, spent in sorted(seconds.items()))
         print(f"rows {rows:3d}: {total * 1e3:8.1f} ms a pass ({parts})")
 
 

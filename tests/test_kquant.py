@@ -75,3 +75,7 @@ def test_a_shape_the_k_quant_linear_cannot_take_is_refused(kernels):
     raw = blocks("Q4_K", 6, 256, seed=1)  # rows in tiles of 4: 6 is not
     with pytest.raises(RuntimeError, match="any_linear failed"):
         kernels.linear(torch.randn(1, 256), PackedWeight(torch.from_numpy(raw), 12, 6, 256), None)
+    k = 129 * 256  # one super-block more than a tile keeps the sums of
+    assert kernels.layout(12, k) != "in place"
+    with pytest.raises(RuntimeError, match="any_linear failed"):
+        kernels.linear(torch.randn(1, k), PackedWeight(torch.from_numpy(blocks("Q4_K", 4, k, seed=2)), 12, 4, k), None)

@@ -14,7 +14,8 @@
  * after block. Any way of getting the integers gives the same output, so three kernels share the work:
  * - rows (up to 4 input rows: a decode): a tile is 4 weight rows, each read whole before the next (one stream
  *   per thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
- *   their bytes, so that every weight vector meets its inputs with one load.
+ *   their bytes, so that every weight vector meets its inputs with one load. The integers are kept until the
+ *   tile's end, whose fmas run on its 4 weight rows at once (kq_fmas).
  * - lanes (5 to 32 input rows: tabs decoding together, speculation's verify rows; 512-bit VNNI builds): a lane
  *   per input row, each 4 weights broadcast against 8 rows' inputs at once (kx_tile below).
  * - a GEMM (more rows: prefill): 16 weight rows are unpacked per super-block (loads and transposes) into one
@@ -33,8 +34,13 @@
 #define KQ_NR 4 /* weight rows per tile */
 #define KQ_MR 4 /* input rows per pass over a tile: NR x MR accumulators = the 16 sums store_tile takes */
 
+/* Q4_K's sub-blocks in the order its nibble vectors come out of the bytes: chunk c's low nibbles (sub-block 2c),
+ * then its high ones (2c + 1), two chunks a vector. Position p of a Q4_K input row holds sub-block Q4_K_ORDER[p]
+ * (the order is its own inverse). */
+static const int Q4_K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
 /* One input row's 256 values: its scale, the sums of its quants in the weights' natural order, then
- * the quants (for Q4_K in the order of its nibble vectors: sub-blocks 0 2 1 3 4 6 5 7). */
+ * the quants (for Q4_K in Q4_K_ORDER). */
 typedef struct {
     float d;
     int16_t sums[16];  /* of each 16 (Q6_K's groups) */
@@ -86,8 +92,7 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
             memcpy(o->q, q, QK);
             continue;
         }
-        static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-        for (int s = 0; s < 8; s++) memcpy(o->q + 32 * s, q + 32 * order[s], 32);
+        for (int s = 0; s < 8; s++) memcpy(o->q + 32 * s, q + 32 * Q4_K_ORDER[s], 32);
     }
 }
 
@@ -108,12 +113,39 @@ static inline int hsum4(__m128i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
 }
 
+/* vpshufb masks for Q4_K's scales: in each 128-bit lane of vector j, eight int16 copies of the scale of its
+ * sub-block (Q4_K_ORDER's 2j and 2j + 1 for lanes 0-1 and 2-3), the high bytes zero. */
+#define Z -128
+#define EIGHT(s) s, Z, s, Z, s, Z, s, Z, s, Z, s, Z, s, Z, s, Z
+#define LANES4(a, b) EIGHT(a), EIGHT(a), EIGHT(b), EIGHT(b)
+static const int8_t q4_k_scale_bytes[4][64] __attribute__((aligned(64))) = {
+    {LANES4(0, 2)}, {LANES4(1, 3)}, {LANES4(4, 6)}, {LANES4(5, 7)}};
+#undef LANES4
+#undef EIGHT
+#undef Z
+
+/* Q4_K's 12 bytes of scales and minimums (at s; 16 bytes are read) as one vector: bytes 0-7 the eight 6-bit scales,
+ * 8-15 the eight minimums (ggml's get_scale_min_k4, all sixteen at once). */
+static inline __m128i q4_k_scales_v(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* dwords u0 u1 u2 */
+    const __m128i a = _mm_and_si128(x, _mm_set1_epi32(0x3f3f3f3f));
+    const __m128i b = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(x, 0xaa), _mm_set_epi32(0, 0, 4, 0)), _mm_set1_epi32(0x0f0f0f0f));
+    const __m128i c = _mm_and_si128(_mm_srli_epi32(x, 2), _mm_set1_epi32(0x30303030));
+    return _mm_unpacklo_epi32(a, _mm_or_si128(b, c));
+}
+
 /* A super-block's 256 unsigned weights (4 vectors) times its 256 int8 inputs, each pair sum times its scale
  * (sv: int16, lanes as the weights'): 16 int32 lanes whose sum is the block's scaled dot product. */
 static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], const int8_t *q) {
     __m512i sum = _mm512_setzero_si512();
-    for (int j = 0; j < 4; j++)
-        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(wv[j], _mm512_loadu_si512(q + 64 * j)), sv[j]));
+    for (int j = 0; j < 4; j++) {
+        const __m512i pairs = _mm512_maddubs_epi16(wv[j], _mm512_loadu_si512(q + 64 * j));
+#if defined(__AVX512VNNI__)
+        sum = _mm512_dpwssd_epi32(sum, pairs, sv[j]);
+#else
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs, sv[j]));
+#endif
+    }
     return sum;
 }
 
@@ -133,32 +165,32 @@ static inline __m128i sum4(__m512i ab, __m512i cd) {
 
 #define KQ_GROUP 4 /* super-blocks whose sums are reduced together */
 
-/* Super-block b of weight row `row`: each input row's S as 16 lanes to sum (and Q4_K's Ms as 4), its d and dmin. */
+/* A tile's exact integers, kept until its fmas: per input row, weight row and super-block S (and Q4_K's Ms), and
+ * each super-block's fp16 d (and dmin) as one dword. The fmas then run on the tile's four weight rows at once. */
+typedef struct {
+    int32_t S[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
+    int32_t Ms[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
+    uint32_t head[KQ_NR][KQ_MAX_BLOCKS];
+} kq_sums;
+
+/* Super-block b of weight row `row`: each input row's S as 16 lanes to sum (and Q4_K's Ms as 4), its header. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
-                                                             const int mr, __m512i *sums, __m128i *msums, float *d,
-                                                             float *dmin) {
+                                                             const int mr, __m512i *sums, __m128i *msums,
+                                                             uint32_t *head) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const __m512i idx[4] = {lanes_of(0, 0, 2, 2), lanes_of(1, 1, 3, 3), lanes_of(4, 4, 6, 6), lanes_of(5, 5, 7, 7)};
     const uint8_t *blk = row + (long)b * Q4_K_BYTES;
     _mm_prefetch((const char *)blk + KQ_AHEAD, _MM_HINT_T0);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 64, _MM_HINT_T0);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 128, _MM_HINT_T0);
-    uint16_t h[2];
-    memcpy(h, blk, 4);
-    *d = half_to_float(h[0]);
-    *dmin = half_to_float(h[1]);
-    uint8_t sc[8], mn[8];
-    q4_k_scales(blk + 4, sc, mn);
-    uint64_t sc64, mn64;
-    memcpy(&sc64, sc, 8);
-    memcpy(&mn64, mn, 8);
-    const __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
+    memcpy(head, blk, 4);
+    const __m128i both = q4_k_scales_v(blk + 4);
+    const __m512i scales = _mm512_broadcast_i32x4(both);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
     const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
     const __m512i wv[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
                            _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
     __m512i sv[4];
-    for (int j = 0; j < 4; j++) sv[j] = _mm512_permutexvar_epi16(idx[j], scales);
+    for (int j = 0; j < 4; j++) sv[j] = _mm512_shuffle_epi8(scales, _mm512_load_si512(q4_k_scale_bytes[j]));
     for (int m = 0; m < mr; m++) {
         const q8_block *a = xq + (long)m * blocks + b;
         sums[m] = scaled_dots(wv, sv, a->q);
@@ -168,14 +200,14 @@ static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row,
 }
 
 static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
-                                                             const int mr, __m512i *sums, float *d) {
+                                                             const int mr, __m512i *sums, uint32_t *head) {
     const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
     const uint8_t *blk = row + (long)b * Q6_K_BYTES;
     for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, _MM_HINT_T0);
     uint16_t dh;
     memcpy(&dh, blk + 208, 2);
-    *d = half_to_float(dh);
+    *head = dh;
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     const __m512i scales = _mm512_castsi256_si512(sc16);
     __m512i wv[4], sv[4];
@@ -196,20 +228,19 @@ static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row,
     }
 }
 
-/* Weight row r's super-blocks, KQ_GROUP at a time: each input row's sums of four blocks reduced together, then
- * the fmas in block order, as a block at a time makes them; the last blocks one at a time. */
+/* Weight row r's super-blocks into u, KQ_GROUP at a time (each input row's sums of four blocks reduced together),
+ * the last ones alone. */
 static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, const int q4, int blocks,
-                                                         const q8_block *xq, const int mr, float *acc, int r) {
+                                                         const q8_block *xq, const int mr, kq_sums *u, int r) {
     int b = 0;
     for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
         __m512i s[KQ_MR], ab[KQ_MR], cd[KQ_MR];
         __m128i ms[KQ_MR], msa[KQ_MR], msb[KQ_MR];
-        float d[KQ_GROUP], dmin[KQ_GROUP] = {0};
         for (int i = 0; i < KQ_GROUP; i++) {
             __m512i t[KQ_MR];
             __m128i mt[KQ_MR];
-            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t, mt, d + i, dmin + i);
-            else q6_k_block(row, b + i, xq, blocks, mr, t, d + i);
+            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t, mt, &u->head[r][b + i]);
+            else q6_k_block(row, b + i, xq, blocks, mr, t, &u->head[r][b + i]);
             for (int m = 0; m < mr; m++) {
                 if (i % 2 == 0) s[m] = t[m];
                 else if (i == 1) ab[m] = fold2(s[m], t[m]);
@@ -221,46 +252,88 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
             }
         }
         for (int m = 0; m < mr; m++) {
-            int32_t S[KQ_GROUP], Ms[KQ_GROUP];
-            _mm_storeu_si128((__m128i *)S, sum4(ab[m], cd[m]));
-            if (q4) _mm_storeu_si128((__m128i *)Ms, _mm_hadd_epi32(msa[m], msb[m]));
-            float *out = acc + m * KQ_NR + r;
-            for (int i = 0; i < KQ_GROUP; i++) {
-                const float dx = xq[(long)m * blocks + b + i].d;
-                *out = fmaf((float)S[i], d[i] * dx, *out);
-                if (q4) *out = fmaf((float)Ms[i], -dmin[i] * dx, *out);
-            }
+            _mm_storeu_si128((__m128i *)&u->S[m][r][b], sum4(ab[m], cd[m]));
+            if (q4) _mm_storeu_si128((__m128i *)&u->Ms[m][r][b], _mm_hadd_epi32(msa[m], msb[m]));
         }
     }
     for (; b < blocks; b++) {
         __m512i t[KQ_MR];
         __m128i mt[KQ_MR];
-        float d, dmin = 0.0f;
-        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &d, &dmin);
-        else q6_k_block(row, b, xq, blocks, mr, t, &d);
+        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &u->head[r][b]);
+        else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
         for (int m = 0; m < mr; m++) {
-            const float dx = xq[(long)m * blocks + b].d;
-            float *out = acc + m * KQ_NR + r;
-            *out = fmaf((float)_mm512_reduce_add_epi32(t[m]), d * dx, *out);
-            if (q4) *out = fmaf((float)hsum4(mt[m]), -dmin * dx, *out);
+            u->S[m][r][b] = _mm512_reduce_add_epi32(t[m]);
+            if (q4) u->Ms[m][r][b] = hsum4(mt[m]);
         }
+    }
+}
+
+/* The 4 x 4 dwords at a[r][b..b+3] for r = 0..3 as four vectors, one a super-block (lane r: weight row r). */
+static inline void transpose4(const int32_t *a, long stride, __m128i out[4]) {
+    const __m128i r0 = _mm_loadu_si128((const __m128i *)a), r1 = _mm_loadu_si128((const __m128i *)(a + stride));
+    const __m128i r2 = _mm_loadu_si128((const __m128i *)(a + 2 * stride)), r3 = _mm_loadu_si128((const __m128i *)(a + 3 * stride));
+    const __m128i t0 = _mm_unpacklo_epi32(r0, r1), t1 = _mm_unpackhi_epi32(r0, r1);
+    const __m128i t2 = _mm_unpacklo_epi32(r2, r3), t3 = _mm_unpackhi_epi32(r2, r3);
+    out[0] = _mm_unpacklo_epi64(t0, t2);
+    out[1] = _mm_unpackhi_epi64(t0, t2);
+    out[2] = _mm_unpacklo_epi64(t1, t3);
+    out[3] = _mm_unpackhi_epi64(t1, t3);
+}
+
+static inline __m128i column(const int32_t *a, long stride) {
+    return _mm_set_epi32(a[3 * stride], a[2 * stride], a[stride], a[0]);
+}
+
+/* The fmas of a tile, the four weight rows' in the lanes of one vector, block after block: each lane's are exactly
+ * a block at a time's, fma(S, d * dx) then fma(Ms, -dmin * dx), in fp32. */
+static inline __attribute__((always_inline)) void kq_fmas(const kq_sums *u, const int q4, int blocks,
+                                                          const q8_block *xq, const int mr, float *acc) {
+    /* a header dword per row, d | dmin << 16: the rows' d in halves 0-3, dmin in 4-7 */
+    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m128 sign = _mm_set1_ps(-0.0f);
+    for (int m = 0; m < mr; m++) {
+        __m128 o = _mm_loadu_ps(acc + m * KQ_NR);
+        int b = 0;
+#define KQ_FMA(S, Ms, head, bb)                                                                             \
+        do {                                                                                                \
+            const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_shuffle_epi8(head, split)),                  \
+                                            _mm256_set1_ps(xq[(long)m * blocks + (bb)].d));                  \
+            o = _mm_fmadd_ps(_mm_cvtepi32_ps(S), _mm256_castps256_ps128(dd), o);                            \
+            if (q4) o = _mm_fmadd_ps(_mm_cvtepi32_ps(Ms), _mm_xor_ps(_mm256_extractf128_ps(dd, 1), sign), o); \
+        } while (0)
+        for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
+            __m128i S[4], Ms[4], head[4];
+            transpose4(&u->S[m][0][b], KQ_MAX_BLOCKS, S);
+            if (q4) transpose4(&u->Ms[m][0][b], KQ_MAX_BLOCKS, Ms);
+            transpose4((const int32_t *)&u->head[0][b], KQ_MAX_BLOCKS, head);
+            for (int i = 0; i < KQ_GROUP; i++) KQ_FMA(S[i], Ms[i], head[i], b + i);
+        }
+        for (; b < blocks; b++) {
+            const __m128i Ms = q4 ? column(&u->Ms[m][0][b], KQ_MAX_BLOCKS) : _mm_setzero_si128();
+            KQ_FMA(column(&u->S[m][0][b], KQ_MAX_BLOCKS), Ms, column((const int32_t *)&u->head[0][b], KQ_MAX_BLOCKS), b);
+        }
+#undef KQ_FMA
+        _mm_storeu_ps(acc + m * KQ_NR, o);
     }
 }
 
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
                                                             const q8_block *xq, int mr, float *acc) {
-    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 1, blocks, xq, mr, acc, r);
+    kq_sums u;
+    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 1, blocks, xq, mr, &u, r);
+    kq_fmas(&u, 1, blocks, xq, mr, acc);
 }
 
 static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, long row_bytes, int blocks,
                                                             const q8_block *xq, int mr, float *acc) {
-    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 0, blocks, xq, mr, acc, r);
+    kq_sums u;
+    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 0, blocks, xq, mr, &u, r);
+    kq_fmas(&u, 0, blocks, xq, mr, acc);
 }
 #else
 /* Without 512-bit integer vectors: the same exact integer sums, one at a time. */
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
                                                             const q8_block *xq, int mr, float *acc) {
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     for (int b = 0; b < blocks; b++)
         for (int r = 0; r < KQ_NR; r++) {
             const uint8_t *blk = w + r * row_bytes + (long)b * Q4_K_BYTES;
@@ -273,7 +346,7 @@ static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, lo
                 const q8_block *a = xq + (long)m * blocks + b;
                 int sum = 0, msum = 0;
                 for (int p = 0; p < 8; p++) { /* p: position in the inputs' order; s: the sub-block */
-                    const int s = order[p], chunk = s / 2, shift = 4 * (s % 2);
+                    const int s = Q4_K_ORDER[p], chunk = s / 2, shift = 4 * (s % 2);
                     int dot = 0;
                     for (int i = 0; i < 32; i++) dot += ((blk[16 + 32 * chunk + i] >> shift) & 15) * a->q[32 * p + i];
                     sum += sc[s] * dot;
@@ -441,7 +514,6 @@ static inline int32_t x_four(const int8_t *q) {
  * fmas of every output (out: 16 floats per input row). */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
                                                           const int mr, float *out) {
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* where Q4_K's sub-block s sits in the inputs (and back) */
     __m512i S[KG_MR];
     for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
     for (int blk = 0; blk < 8; blk++) {
@@ -450,7 +522,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
             for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
             for (int v = 0; v < 8; v++)
                 for (int j = 0; j < mr; j++)
-                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * order[blk] + 4 * v)));
+                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * Q4_K_ORDER[blk] + 4 * v)));
             for (int j = 0; j < mr; j++) S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(dot[j], u->sc[blk]));
             continue;
         }
@@ -536,11 +608,10 @@ typedef struct {
 } kx_block;
 
 static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int b, kx_block *o) {
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* Q4_K's inputs are stored in its vectors' order */
     memset(o, 0, sizeof *o);
     for (int i = 0; i < KX_LANES && mt * KX_LANES + i < M; i++) {
         const q8_block *a = xq + (long)(mt * KX_LANES + i) * blocks + b;
-        for (int p = 0; p < 64; p++) memcpy(&o->q[p][i], a->q + (q4 ? 32 * order[p / 8] + 4 * (p % 8) : 4 * p), 4);
+        for (int p = 0; p < 64; p++) memcpy(&o->q[p][i], a->q + (q4 ? 32 * Q4_K_ORDER[p / 8] + 4 * (p % 8) : 4 * p), 4);
         o->d[i] = a->d;
         for (int k = 0; k < 4; k++)
             o->halves[k][i] = (int32_t)((uint32_t)(uint16_t)a->halves[2 * k] | (uint32_t)(uint16_t)a->halves[2 * k + 1] << 16);
@@ -652,7 +723,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
 
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32) {
-    if (M < 1 || M > 512 || K % QK || N % KQ_NR || !kquant_format(format)) return -1;
+    if (M < 1 || M > 512 || K % QK || K / QK > KQ_MAX_BLOCKS || N % KQ_NR || !kquant_format(format)) return -1;
     const int blocks = K / QK, q4 = format == FMT_Q4_K;
     const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;

@@ -11,7 +11,7 @@
 const char *pack_layout(int format, int K) {
     if (kquant_format(format)) {
 #if defined(__AVX512BW__)
-        if (K % 256 == 0) return "in place";
+        if (K % 256 == 0 && K / 256 <= KQ_MAX_BLOCKS) return "in place";
 #endif
         return "none";
     }
