@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import mmap
 import shutil
 from pathlib import Path
 
@@ -437,6 +438,45 @@ def test_the_header_reads_as_ggufs_own_reader_reads_it(plain, tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(TuichatError):
             GGUFFile(tmp_path / name)
+
+
+def resident_kb(path: Path) -> int:
+    """kB of `path`'s map resident in this process (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    total, inside = 0, False
+    for line in lines:
+        if "-" in line.split(" ", 1)[0]:  # a mapping's first line: its address range, ..., its path
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_released_tensor_leaves_the_process_memory_and_still_reads_the_same(tmp_path):
+    """A tensor the load copied (a Q8_0 laid out in tiles, a re-cut Q5_0) is released: its pages leave the
+    process's memory, so the file's bytes and the copy are not both resident; a read maps them again."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "two.gguf"
+    values = np.random.default_rng(0).standard_normal((512, 2048)).astype(np.float32)  # 4 MiB
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("big", values)
+    writer.add_tensor("small", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path)
+    try:
+        assert np.array_equal(file.array("big"), values) and np.array_equal(file.array("small"), np.arange(8))
+        touched = resident_kb(path)
+        assert touched >= values.nbytes // 1024
+        file.release("big")
+        assert touched - resident_kb(path) >= (values.nbytes - 2 * mmap.PAGESIZE) // 1024
+        assert np.array_equal(file.array("small"), np.arange(8))  # its neighbour's bytes are still there
+        assert np.array_equal(file.array("big"), values)
+    finally:
+        file.close()
 
 
 def test_llama_3_rope_freqs_divide_the_rotary_frequencies(kernel, tmp_path):

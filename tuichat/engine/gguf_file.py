@@ -220,6 +220,16 @@ class GGUFFile:
             return flat.view(plain).reshape(info.shape)
         return flat.reshape(rows, info.shape[-1] // block * block_bytes)
 
+    def release(self, name: str) -> None:
+        """Drop tensor `name`'s pages from this process's memory, for a tensor the load copied into another layout:
+        its file bytes would otherwise stay resident beside the copy. The page cache keeps them, and a later read
+        maps them again. Only whole pages inside the tensor go, so a neighbour read in place keeps its own."""
+        info = self.tensors[name]
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._maps[info.part].madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def header_hash(self) -> str:
         """sha256 of the metadata and tensor table: what the tokenizer and config are made from."""
         return hashlib.sha256(self._map[: self.header_bytes]).hexdigest()

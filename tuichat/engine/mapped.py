@@ -4,7 +4,8 @@ transformers' model class gives the structure (built on the meta device: no weig
 metadata the config and tokenizer (gguf_file.py). Each linear becomes a PackedLinear over the file's blocks:
 Q4_K and Q6_K as views of the file's map, read in place by the kernels; Q8_0, Q4_0, Q4_1 laid out in the
 kernels' tiles, and Q5_0, Q5_1, Q5_K re-cut into blocks of 32 (copies in memory, the size of the file's
-tensors); F16, BF16 and F32 in bf16. The embedding's rows are dequantized when a step looks them up, the norms
+tensors or, re-cut, larger); F16, BF16 and F32 in bf16. The file's pages of a copied tensor are released once
+it is copied (GGUFFile.release), so that the process does not hold both. The embedding's rows are dequantized when a step looks them up, the norms
 are the file's F32 values. The decoder (decoder.c) runs every step over these; transformers' layers, over the
 same PackedLinears, run only the load's probe, against which the serving path is checked.
 
@@ -137,15 +138,20 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = N
         with warnings.catch_warnings():  # a read-only map: torch warns that writes would fail; none are made
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(blocks)
+        if rows is not None or padding:
+            file.release(name)  # served from the reordered or padded copy
         return PackedWeight(data, qtype, out_features, in_features)
     for format in ([qtype] if qtype in quant.BLOCK_BYTES else []) + ([quant.RECUT[qtype]] if qtype in quant.RECUT else []):
         try:
             source = np.ascontiguousarray(blocks) if format == qtype else kernel.recut(blocks, qtype)
-            return PackedWeight(kernel.pack(source, format, in_features), format, out_features, in_features)
+            packed = PackedWeight(kernel.pack(source, format, in_features), format, out_features, in_features)
+            break
         except ValueError:  # a layout these kernels do not take: the next, or bf16
             continue
-    values = _float32(blocks, qtype)
-    return PackedWeight.of(_to_bf16(values))
+    else:
+        packed = PackedWeight.of(_to_bf16(_float32(blocks, qtype)))
+    file.release(name)  # served from the copy: the file's bytes need not stay resident beside it
+    return packed
 
 
 def _exact(file: GGUFFile, name: str) -> torch.Tensor:
