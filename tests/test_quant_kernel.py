@@ -1,4 +1,5 @@
-"""The linear over GGUF-quantized weights (Q8_0, Q4_0, Q4_1), on every build this CPU can run: its result is the
+"""The linear over GGUF-quantized weights (Q8_0, Q4_0, Q4_1; Q5_0 and Q5_1 in their own blocks where the tiled path
+is built), on every build this CPU can run: its result is the
 reference computation of its own method to bf16 rounding — the weights dequantized exactly with fp32 inputs
 (the "fp32" method), or the inputs quantized to int8 per block of 32 as llama.cpp does (the "int8" methods) —
 and a row's result does not depend on the rows beside it."""
@@ -11,7 +12,8 @@ import torch
 
 from tuichat.engine import quant
 
-FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q5_1": 7}
+FIVE_BIT = (6, 7)  # the tiled path's only: a build without it re-cuts them (test_mapped, test_gguf_engine)
 
 
 def quantized(format: int, n: int, k: int, seed: int):
@@ -28,6 +30,14 @@ def decode(blocks: np.ndarray, format: int, k: int):
     n = blocks.shape[0]
     b = blocks.reshape(n, k // 32, quant.BLOCK_BYTES[format])
     d = b[:, :, 0:2].copy().view(np.float16).astype(np.float64)[..., 0]
+    if format in FIVE_BIT:  # d, (m,) 32 fifth bits, then the nibbles: bit j of qh is weight j's
+        head = 4 if format == 7 else 2
+        qh = b[:, :, head:head + 4].copy().view(np.uint32)[..., 0]
+        qs = b[:, :, head + 4:]
+        fifth = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+        q = (np.concatenate([qs & 15, qs >> 4], axis=2) | (fifth << 4)).astype(np.int64).reshape(n, k)
+        m = b[:, :, 2:4].copy().view(np.float16).astype(np.float64)[..., 0] if format == 7 else None
+        return d, m, q
     if format == 8:
         return d, None, b[:, :, 2:].view(np.int8).astype(np.int64).reshape(n, k)
     qs = b[:, :, 4 if format == 3 else 2:]
@@ -39,8 +49,8 @@ def decode(blocks: np.ndarray, format: int, k: int):
 def reference(x: torch.Tensor, blocks: np.ndarray, format: int, k: int, method: str) -> np.ndarray:
     """float64 result of the kernel's method."""
     d, m, q = decode(blocks, format, k)
-    if format == 2:
-        q = q - 8
+    if format in (2, 6):
+        q = q - (8 if format == 2 else 16)
     weights = (q.reshape(len(q), -1, 32) * d[..., None]).reshape(len(q), k)
     if m is not None:
         weights = weights + np.repeat(m, 32, axis=1)
@@ -60,6 +70,15 @@ def reference(x: torch.Tensor, blocks: np.ndarray, format: int, k: int, method: 
     return out
 
 
+def packed(kernels, blocks: np.ndarray, fmt: int, k: int):
+    """The blocks laid out for `kernels`; a 5-bit format on a build without the tiled path is refused (skipped)."""
+    if fmt in FIVE_BIT and kernels.layout(fmt, k) != "tiles":
+        with pytest.raises(ValueError):
+            kernels.pack(blocks, fmt, k)
+        pytest.skip("Q5_0 and Q5_1 in their own blocks are the tiled path's (512-bit VNNI builds); others re-cut them")
+    return kernels.pack(blocks, fmt, k)
+
+
 def ulps_off(y: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray) -> np.ndarray:
     """bf16 steps between y and the float64 result, widened by fp32 summation error where terms cancel."""
     exact = torch.from_numpy(exact)
@@ -73,7 +92,7 @@ def ulps_off(y: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray) -> np.nd
 def test_quantized_linear_is_its_methods_reference_to_bf16_rounding(kernels, name, n, k, rows):
     fmt = FORMATS[name]
     blocks = quantized(fmt, n, k, seed=n * k + fmt)
-    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, n, k)
+    weight = quant.PackedWeight(packed(kernels, blocks, fmt, k), fmt, n, k)
     gen = torch.Generator().manual_seed(rows * 7 + k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     method = "fp32" if kernels.quant_math(fmt, k) == "fp32" else "int8"
@@ -96,7 +115,7 @@ def test_float32_activations_in_and_out_are_the_reference_to_fp32_rounding(kerne
     few hundred times closer than one bf16 step."""
     fmt = FORMATS[name]
     blocks = quantized(fmt, n, k, seed=n + k + fmt)
-    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, n, k)
+    weight = quant.PackedWeight(packed(kernels, blocks, fmt, k), fmt, n, k)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))  # fp32, not bf16 values
     assert not torch.equal(x, x.bfloat16().float())
     y = kernels.linear(x, weight, None)
@@ -112,7 +131,7 @@ def test_float32_activations_in_and_out_are_the_reference_to_fp32_rounding(kerne
 def test_a_rows_result_does_not_depend_on_its_batch(kernels, name):
     fmt, k = FORMATS[name], 576
     blocks = quantized(fmt, 64, k, seed=fmt)
-    weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, 64, k)
+    weight = quant.PackedWeight(packed(kernels, blocks, fmt, k), fmt, 64, k)
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     together = kernels.linear(x, weight, None)
     for row in (0, 4, 13, 20):

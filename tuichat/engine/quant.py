@@ -29,11 +29,12 @@ import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
 PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes what it writes
-# Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them, and the
-# 5-bit and K-quant types re-cut (recut): ids 100 + the GGUF type's.
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
-NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K", 113: "Q5_K", 114: "Q6_K",
-         12: "Q4_K", 14: "Q6_K"}
+# Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them (and Q5_0,
+# Q5_1 where the tiled path is built: elsewhere they are re-cut), and the 5-bit and K-quant types re-cut (recut):
+# ids 100 + the GGUF type's.
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
+NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K",
+         113: "Q5_K", 114: "Q6_K", 12: "Q4_K", 14: "Q6_K"}
 RECUT = {6: 106, 7: 107, 12: 112, 13: 113, 14: 114}  # GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: their re-cut ids
 # Q4_K and Q6_K as the file holds them (bytes per super-block of 256), where the kernels read them in place
 # (linear_kquant.c; a GGUF served from its map, engine/mapped.py).

@@ -17,7 +17,7 @@ const char *pack_layout(int format, int K) {
     }
     format = same_layout(format);
     if (tiled_path(K)) return "tiles";
-    if (from_k_quant(format)) return "none";
+    if (tiled_only(format)) return "none";
     return int8_path(format, K) ? "pairs" : "rows";
 }
 
@@ -27,11 +27,11 @@ const char *pack_layout(int format, int K) {
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     format = same_layout(format);
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
-    if ((!bytes && !from_k_quant(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
+    if ((!bytes && !tiled_only(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (tiled_path(K)) return pack_tiles(src, format, N, K, dst);
 #endif
-    if (from_k_quant(format)) return -1;  /* the tiled path's only */
+    if (tiled_only(format)) return -1;  /* the tiled path's only */
     int paired = int8_path(format, K);
     #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {

@@ -4,8 +4,9 @@
  * against 4 input quants broadcast from memory is 64 products, and one cvt and two fmadds per block scale 16
  * outputs. The pair layout spends that per 8 outputs, a third of the products per instruction, which left
  * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
- * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), the 16 fp16 scales, then
- * (Q4_1) the 16 fp16 minimums: the same bytes as GGUF's, tile by tile in the order they are read. */
+ * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of
+ * the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1) the 16 fp16 minimums: the same bytes as GGUF's,
+ * tile by tile in the order they are read. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -29,6 +30,8 @@ static inline int tiled_block_bytes(int format) {
         case FMT_Q4_K_32: return 256 + 128;
         case FMT_Q5_K_32: return 512 + 128;
         case FMT_Q6_K_32: return 512 + 32 + 32;
+        case FMT_Q5_0: return 256 + 64 + 32;
+        case FMT_Q5_1: return 256 + 64 + 64;
         default: return 256 + 32;
     }
 }
@@ -104,8 +107,9 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
                                                              int K, const uint16_t *bias, void *y,
                                                              long y_stride, int n0, int m0, const int mr, int f32) {
     const int quants = byte_quants(format) ? 512 : 256, bytes = tiled_block_bytes(format);
-    const __m512i low = _mm512_set1_epi8(15);
-    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f);
+    const int scales = quants + (five_bit(format) ? 64 : 0); /* after Q5's fifth bits */
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : format == FMT_Q5_0 ? -16.0f : -8.0f);
     __m512 acc[TILED_MR];
     for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -124,15 +128,23 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
                 w[h] = _mm512_and_si512(v, low);
                 w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (five_bit(format)) { /* bit 8k + g of a row's dword: the fifth bit of weight 4g + k, into bit 4 */
+                const __m512i bits = _mm512_loadu_si512(block + 256);
+                for (int g = 0; g < 8; g++) {
+                    const __m512i at = g < 4 ? _mm512_slli_epi32(bits, 4 - g) : _mm512_srli_epi32(bits, g - 4);
+                    w[g] = _mm512_ternarylogic_epi32(w[g], at, fifth, 0xf8); /* w | (at & fifth) */
+                }
+            }
         }
         __m512 d, minimum;
         if (from_k_quant(format)) {
             d = _mm512_loadu_ps(block + quants);
             minimum = _mm512_loadu_ps(block + quants + 64);
         } else {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants)));
-            minimum = format == FMT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + quants + 32)))
-                                         : _mm512_mul_ps(d, offset);
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales)));
+            minimum = format == FMT_Q4_1 || format == FMT_Q5_1
+                          ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales + 32)))
+                          : _mm512_mul_ps(d, offset);
         }
         for (int j = 0; j < mr; j++) {
             const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
@@ -200,6 +212,8 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
 #define T4_K(mr, m0) tiled_tile(tile, FMT_Q4_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T5_K(mr, m0) tiled_tile(tile, FMT_Q5_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T6_K(mr, m0) tiled_tile(tile, FMT_Q6_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T5_0(mr, m0) tiled_tile(tile, FMT_Q5_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define T5_1(mr, m0) tiled_tile(tile, FMT_Q5_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
 #define T_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
@@ -214,6 +228,8 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
             case FMT_Q4_K_32: T_TILES(T4_K); break;
             case FMT_Q5_K_32: T_TILES(T5_K); break;
             case FMT_Q6_K_32: T_TILES(T6_K); break;
+            case FMT_Q5_0: T_TILES(T5_0); break;
+            case FMT_Q5_1: T_TILES(T5_1); break;
             default: T_TILES(T8_0); break;
         }
     }
@@ -221,9 +237,33 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
     return 0;
 }
 
+/* Q5_0 or Q5_1 blocks into tiles of their own 22 or 24 bytes a row: the nibbles as Q4_0's, then a dword a row
+ * of fifth bits in the order the tile takes them (bit 8k + g: weight 4g + k's), then the fp16 d (and Q5_1's m). */
+static int pack_five(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
+    const int head = format == FMT_Q5_1 ? 4 : 2, bytes = head + 20, blocks = K / 32, out_bytes = tiled_block_bytes(format);
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N / TILED_ROWS; t++)
+        for (int b = 0; b < blocks; b++) {
+            uint8_t *out = dst + ((long)t * blocks + b) * out_bytes;
+            for (int r = 0; r < TILED_ROWS; r++) {
+                const uint8_t *block = src + ((long)(t * TILED_ROWS + r) * blocks + b) * bytes;
+                uint32_t qh, spread = 0;
+                memcpy(&qh, block + head, 4);
+                for (int g = 0; g < 8; g++)
+                    for (int k = 0; k < 4; k++) spread |= (qh >> (4 * g + k) & 1u) << (8 * k + g);
+                memcpy(out + 256 + 4 * r, &spread, 4);
+                memcpy(out + 320 + 2 * r, block, 2);
+                if (format == FMT_Q5_1) memcpy(out + 352 + 2 * r, block + 2, 2);
+                for (int i = 0; i < 16; i++) out[64 * (i / 4) + 4 * r + i % 4] = block[head + 4 + i];
+            }
+        }
+    return 0;
+}
+
 /* GGUF blocks (or a K-quant's blocks of 32) into tiles (see above). */
 int pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     if (N % TILED_ROWS) return -1;
+    if (five_bit(format)) return pack_five(src, format, N, K, dst);
     const int k = from_k_quant(format), bytes = k ? k_block_bytes(format) : block_bytes(format), blocks = K / 32;
     /* the block's head: its scale (an fp32 one for Q4_K, Q5_K), then a minimum (or Q6_K's two int8 scales) */
     const int scale = format == FMT_Q4_K_32 || format == FMT_Q5_K_32 ? 4 : 2;
