@@ -43,6 +43,8 @@ from tests.tiny_gguf import (
     OUTPUT_FORMAT,
     OUTPUT_FORMAT_K,
     Q4_K,
+    Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -250,6 +252,9 @@ def test_q4_k_and_q6_k_are_read_from_the_files_map(kernel, kquant, plain):
         tensor = tensors[gguf_name(module_name)]
         address = weight.data.data_ptr()
         qk = module_name.endswith(("q_proj", "k_proj"))
+        if int(tensor.tensor_type) in (Q5_0, Q5_1):  # in tiles of their own bytes where those are built, else re-cut
+            own = kernel.layout(int(tensor.tensor_type), weight.in_features) == "tiles"
+            assert weight.format == (int(tensor.tensor_type) if own else quant.RECUT[int(tensor.tensor_type)]), module_name
         if int(tensor.tensor_type) in (Q4_K, Q6_K) and not qk:
             assert address == start + int(tensor.data_offset), module_name
             assert np.array_equal(weight.data.numpy(), tensor.data), module_name

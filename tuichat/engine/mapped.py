@@ -2,12 +2,13 @@
 
 transformers' model class gives the structure (built on the meta device: no weight is allocated), the file's
 metadata the config and tokenizer (gguf_file.py). Each linear becomes a PackedLinear over the file's blocks:
-Q4_K and Q6_K as views of the file's map, read in place by the kernels; Q8_0, Q4_0, Q4_1 laid out in the
-kernels' tiles, and Q5_0, Q5_1, Q5_K re-cut into blocks of 32 (copies in memory, the size of the file's
-tensors or, re-cut, larger); F16, BF16 and F32 in bf16. The file's pages of a copied tensor are released once
-it is copied (GGUFFile.release), so that the process does not hold both. The embedding's rows are dequantized when a step looks them up, the norms
-are the file's F32 values. The decoder (decoder.c) runs every step over these; transformers' layers, over the
-same PackedLinears, run only the load's probe, against which the serving path is checked.
+Q4_K and Q6_K as views of the file's map, read in place by the kernels; Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 laid
+out in the kernels' tiles (the 5-bit ones re-cut into blocks of 32 where the tiled path is not built), Q5_K
+re-cut (copies in memory, the size of the file's tensors or, re-cut, larger); F16, BF16 and F32 in bf16. The
+file's pages of a copied tensor are released once it is copied (GGUFFile.release), so that the process does not
+hold both. The embedding's rows are dequantized when a step looks them up, the norms are the file's F32 values.
+The decoder (decoder.c) runs every step over these; transformers' layers, over the same PackedLinears, run only
+the load's probe, against which the serving path is checked.
 
 llama.cpp's converter permutes the rows of a llama's Q and K (rotary pairs interleaved); those two tensors are
 copied back into transformers' order (a fifth of a layer's attention bytes), so that one rotary code serves
