@@ -2,12 +2,13 @@
 layout (Q4_K, Q6_K), straight from the mapped file, times `rows` inputs, as a step of that many rows does.
 
     .venv/bin/python scripts/gguf_linears.py FILE.gguf [--rows 1,8,64] [--repeats 5] [--recut]
-        [--only NAME] [--threads N]
+        [--only NAME] [--threads N] [--huge]
 
 --recut times the same linears the way the engine serves them today instead: re-cut into blocks of 32 and
 packed into the tiled path's order (a copy in memory, made here first). --only keeps the tensors whose name
 holds NAME (one tensor that fits in L3 times the kernel's instructions rather than the memory's bandwidth);
---threads sets the kernels' threads (default: torch's).
+--threads sets the kernels' threads (default: torch's). --huge times copies of the in-place tensors in one
+anonymous map advised MADV_HUGEPAGE (2 MB pages) instead of the file's map (4 KB pages): what the TLB costs.
 
 Prints, per number of rows, the pass's time and the weight read rate by format (the output layer included: a
 decode step reads it whole). Numbers vary with what else the machine runs: compare rows of one run.
@@ -16,6 +17,7 @@ decode step reads it whole). Numbers vary with what else the machine runs: compa
 from __future__ import annotations
 
 import argparse
+import mmap
 import time
 import warnings
 from collections import defaultdict
@@ -31,6 +33,23 @@ IN_PLACE = {12: "Q4_K", 14: "Q6_K"}
 NAMES = {**IN_PLACE, **{RECUT[fmt]: f"{name} re-cut" for fmt, name in IN_PLACE.items()}}
 
 
+def in_huge_pages(weights: list[PackedWeight]) -> list[PackedWeight]:
+    """The weights copied into one anonymous map advised MADV_HUGEPAGE before its first touch (its 2 MB pages
+    then back it where the kernel's THP mode allows), each 64-byte aligned."""
+    sizes = [(w.bytes + 63) // 64 * 64 for w in weights]
+    arena = mmap.mmap(-1, sum(sizes) + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    memory = np.frombuffer(arena, np.uint8)
+    at, copies = -memory.ctypes.data % (2 << 20), []
+    for w, size in zip(weights, sizes):
+        source = w.data.numpy()
+        copy = memory[at : at + source.nbytes].reshape(source.shape)
+        copy[...] = source
+        copies.append(PackedWeight(torch.from_numpy(copy), w.format, w.out_features, w.in_features))
+        at += size
+    return copies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf")
@@ -39,6 +58,7 @@ def main() -> None:
     parser.add_argument("--recut", action="store_true", help="time the re-cut, packed copies instead")
     parser.add_argument("--only", default="", help="only the tensors whose name holds this")
     parser.add_argument("--threads", type=int, default=0, help="the kernels' threads (default: torch's)")
+    parser.add_argument("--huge", action="store_true", help="time copies in 2 MB pages, not the file's map")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,7 +79,10 @@ def main() -> None:
                     weights.append(PackedWeight(packed, RECUT[fmt], n, k))
                 else:
                     weights.append(PackedWeight(torch.from_numpy(blocks), fmt, n, k))
-    print(f"{len(weights)} linears {'re-cut' if args.recut else 'in place'}, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
+    if args.huge and not args.recut:
+        weights = in_huge_pages(weights)
+    where = "re-cut" if args.recut else "copied into 2 MB pages" if args.huge else "in place"
+    print(f"{len(weights)} linears {where}, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
         seconds: dict[int, float] = defaultdict(lambda: float("inf"))
