@@ -586,7 +586,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 /* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, speculation's verify rows) the other way round from
  * the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its 256 quants in natural
  * order (ands and shifts, no transposes), and each 4 of them, broadcast, meet the 8 input rows' 4 inputs at that
@@ -627,11 +627,10 @@ static inline void kx_unpack(const uint8_t *blk, int q4, uint8_t *wb, float *d, 
         memcpy(h, blk, 4);
         *d = half_to_float(h[0]);
         *nd = -half_to_float(h[1]);
-        uint8_t s8[8], m8[8];
-        q4_k_scales(blk + 4, s8, m8);
+        const __m128i both = q4_k_scales_v(blk + 4);
         /* the scales as int32, the minimums' pairs as int16 (dword k: m[2k] | m[2k + 1] << 16) */
-        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s8)));
-        _mm_storeu_si128((__m128i *)mn, _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8)));
+        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepu8_epi32(both));
+        _mm_storeu_si128((__m128i *)mn, _mm_cvtepu8_epi16(_mm_srli_si128(both, 8)));
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
             _mm256_store_si256((__m256i *)(wb + 64 * c), _mm256_and_si256(v, nib));
@@ -727,7 +726,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const int blocks = K / QK, q4 = format == FMT_Q4_K;
     const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     const int lanes = M >= KX_MIN_M && M <= KX_MAX_M, tiles = (M + KX_LANES - 1) / KX_LANES;
     const size_t kx_bytes = lanes ? sizeof(kx_block) * (size_t)tiles * blocks + 64 : 0;
 #else
@@ -749,7 +748,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quantize_row(x, f32, (long)m * x_stride, K, q4, xq + (long)m * blocks);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
         if (lanes) {
             kx_block *kx = (kx_block *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64);
             #pragma omp for schedule(static)
