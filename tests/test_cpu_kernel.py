@@ -256,6 +256,7 @@ def test_a_tampered_library_is_rebuilt_private_under_a_permissive_umask_not_load
                                                               copied_build, copied_build.parent / "cpu_kernels.so.sha256")}
     assert modes == {"kernels": 0o700, copied_build.parent.name: 0o700, "cpu_kernels.so": 0o700,
                      "cpu_kernels.so.sha256": 0o600}
+    assert sorted(p.name for p in copied_build.parent.iterdir()) == ["cpu_kernels.so", "cpu_kernels.so.sha256"]
     build.load.cache_clear()
     assert not build.build_pending()  # on disk, trusted, for the next process
     assert_works(kernel)

@@ -161,6 +161,8 @@ def _compile(compiler: str, flags: list[str], built: Path, library: Path) -> Non
         raise RuntimeError(f"{compiler} took over {BUILD_TIMEOUT_S} s") from None
     if result.returncode != 0:
         raise RuntimeError(_why(result.stderr))
+    for obj in objects.values():  # linked in: the cache keeps only the library
+        obj.unlink()
 
 
 def _switched_off() -> bool:
