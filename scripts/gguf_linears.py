@@ -8,7 +8,8 @@ layout (Q4_K, Q6_K), straight from the mapped file, times `rows` inputs, as a st
 packed into the tiled path's order (a copy in memory, made here first). --only keeps the tensors whose name
 holds NAME (one tensor that fits in L3 times the kernel's instructions rather than the memory's bandwidth);
 --threads sets the kernels' threads (default: torch's). --huge times copies of the in-place tensors in one
-anonymous map advised MADV_HUGEPAGE (2 MB pages) instead of the file's map (4 KB pages): what the TLB costs.
+anonymous map advised MADV_HUGEPAGE (2 MB pages; heap.WeightArena, as the engine serves them) instead of the
+file's map (4 KB pages): what the TLB costs.
 
 Prints, per number of rows, the pass's time and the weight read rate by format (the output layer included: a
 decode step reads it whole). Numbers vary with what else the machine runs: compare rows of one run.
@@ -17,7 +18,6 @@ decode step reads it whole). Numbers vary with what else the machine runs: compa
 from __future__ import annotations
 
 import argparse
-import mmap
 import time
 import warnings
 from collections import defaultdict
@@ -27,27 +27,11 @@ import torch
 from gguf import GGUFReader
 
 from tuichat.engine.cpu import build
+from tuichat.engine.heap import WeightArena
 from tuichat.engine.quant import RECUT, PackedWeight, recut
 
 IN_PLACE = {12: "Q4_K", 14: "Q6_K"}
 NAMES = {**IN_PLACE, **{RECUT[fmt]: f"{name} re-cut" for fmt, name in IN_PLACE.items()}}
-
-
-def in_huge_pages(weights: list[PackedWeight]) -> list[PackedWeight]:
-    """The weights copied into one anonymous map advised MADV_HUGEPAGE before its first touch (its 2 MB pages
-    then back it where the kernel's THP mode allows), each 64-byte aligned."""
-    sizes = [(w.bytes + 63) // 64 * 64 for w in weights]
-    arena = mmap.mmap(-1, sum(sizes) + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)
-    memory = np.frombuffer(arena, np.uint8)
-    at, copies = -memory.ctypes.data % (2 << 20), []
-    for w, size in zip(weights, sizes):
-        source = w.data.numpy()
-        copy = memory[at : at + source.nbytes].reshape(source.shape)
-        copy[...] = source
-        copies.append(PackedWeight(torch.from_numpy(copy), w.format, w.out_features, w.in_features))
-        at += size
-    return copies
 
 
 def main() -> None:
@@ -80,7 +64,9 @@ def main() -> None:
                 else:
                     weights.append(PackedWeight(torch.from_numpy(blocks), fmt, n, k))
     if args.huge and not args.recut:
-        weights = in_huge_pages(weights)
+        arena = WeightArena()  # as the engine's load copies them
+        weights = [PackedWeight(torch.from_numpy(arena.copy(w.data.numpy())), w.format, w.out_features, w.in_features)
+                   for w in weights]
     where = "re-cut" if args.recut else "copied into 2 MB pages" if args.huge else "in place"
     print(f"{len(weights)} linears {where}, {sum(w.bytes for w in weights) / 1e6:,.0f} MB")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -236,15 +236,33 @@ def test_both_format_sets_are_served_in_c_as_close_to_float32_as_their_arithmeti
     assert agreement >= 0.9  # a flip needs a near-tie (measured: none)
 
 
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def test_q4_k_and_q6_k_are_read_from_the_files_map(kernel, kquant, plain):
     """Q4_K and Q6_K linears are views of the file's map at their tensors' offsets (gguf's tensor table), bytes
     for bytes the file's, and the decoder reads those very bytes; a llama's Q and K (rows permuted back from
-    llama.cpp's order) and every other format are copies in memory."""
+    llama.cpp's order) and every other format are copies in memory. Where the system has transparent huge
+    pages, the map and the copies are advised to get 2 MB pages."""
+    from tuichat.engine import heap
+
     if kernel.layout(Q4_K, HIDDEN_K) != "in place":
         pytest.skip("these kernels read no K-quant in place (an AVX-512BW build does)")
     tensors = reader_tensors(kquant.path)
     model = load(kquant, kernel)
     start, end = map_range(model)
+    huge = heap.huge_pages()
+    assert not huge or "hg" in vm_flags(start)
     packed = model.tuichat_mapped.packed
     assert sorted(packed) == sorted([f"model.layers.{i}.{n}" for i in range(LAYERS) for n in HF_NAMES.values()] + ["lm_head"])
     in_place, copied = 0, []
@@ -261,6 +279,7 @@ def test_q4_k_and_q6_k_are_read_from_the_files_map(kernel, kquant, plain):
             in_place += int(tensor.n_bytes)
         else:
             assert not start <= address < end, module_name
+            assert not huge or "hg" in vm_flags(address), module_name
             copied.append(module_name)
             if int(tensor.tensor_type) == Q4_K:  # Q and K: the file's rows in the model's order
                 heads = HEADS if module_name.endswith("q_proj") else KV_HEADS
@@ -280,6 +299,7 @@ def test_q4_k_and_q6_k_are_read_from_the_files_map(kernel, kquant, plain):
     other = load(plain, kernel)
     start, end = map_range(other)
     assert not any(start <= w.data.data_ptr() < end for w in other.tuichat_mapped.packed.values())
+    assert not huge or all("hg" in vm_flags(w.data.data_ptr()) for w in other.tuichat_mapped.packed.values())
     assert other.tuichat_mapped.in_place_bytes == 0
 
 

@@ -7,6 +7,10 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import mmap
+from pathlib import Path
+
+import numpy as np
 
 
 @functools.cache
@@ -54,3 +58,58 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     release_free_memory()
+
+
+HUGE_PAGE = 2 << 20
+
+
+@functools.cache
+def huge_pages() -> bool:
+    """Whether anonymous memory madvised MADV_HUGEPAGE gets 2 MB pages here: Linux with transparent huge pages
+    not set to "never"."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+class WeightArena:
+    """Memory for the weight copies a step streams (tiles, re-cut blocks, reordered rows), in 2 MB pages where
+    huge_pages() says so. A step reads every byte of its weights once; malloc's memory comes in 4 KB pages here
+    (the THP mode is usually "madvise"), a TLB miss every 4 KB.
+
+    Memory comes in chunks of anonymous maps, each aligned to 2 MB; a chunk is unmapped when the last array cut
+    from it goes (the arrays keep their chunk alive)."""
+
+    CHUNK = 64 << 20
+    ALIGN = 64  # a cache line: the kernels' vector loads
+
+    def __init__(self) -> None:
+        self._chunk: np.ndarray | None = None
+        self._used = 0
+
+    def array(self, shape: tuple[int, ...], dtype=np.uint8) -> np.ndarray:
+        """An uninitialised C-contiguous array, ALIGN-aligned."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self._chunk is None or self._used + nbytes > len(self._chunk):
+            self._chunk, self._used = self._map(max(self.CHUNK, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)), 0
+        out = self._chunk[self._used:self._used + nbytes].view(dtype).reshape(shape)
+        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return out
+
+    def copy(self, values: np.ndarray) -> np.ndarray:
+        out = self.array(values.shape, values.dtype)
+        np.copyto(out, values)
+        return out
+
+    @staticmethod
+    def _map(size: int) -> np.ndarray:
+        # 2 MB more than asked, so that an aligned range of `size` lies inside; the rest is never touched, so
+        # never resident.
+        chunk = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = np.frombuffer(chunk, dtype=np.uint8)
+        skip = -whole.ctypes.data % HUGE_PAGE
+        if huge_pages():
+            chunk.madvise(mmap.MADV_HUGEPAGE, skip, size)
+        return whole[skip:skip + size]

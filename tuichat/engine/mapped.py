@@ -4,9 +4,10 @@ transformers' model class gives the structure (built on the meta device: no weig
 metadata the config and tokenizer (gguf_file.py). Each linear becomes a PackedLinear over the file's blocks:
 Q4_K and Q6_K as views of the file's map, read in place by the kernels; Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 laid
 out in the kernels' tiles (the 5-bit ones re-cut into blocks of 32 where the tiled path is not built), Q5_K
-re-cut (copies in memory, the size of the file's tensors or, re-cut, larger); F16, BF16 and F32 in bf16. The
-file's pages of a copied tensor are released once it is copied (GGUFFile.release), so that the process does not
-hold both. The embedding's rows are dequantized when a step looks them up, the norms are the file's F32 values.
+re-cut (the size of the file's tensors or, re-cut, larger); F16, BF16 and F32 in bf16. Both the map and the
+copies ask for 2 MB pages (GGUFFile, heap.WeightArena). The file's pages of a copied tensor are released once it
+is copied (GGUFFile.release), so that the process does not hold both. The embedding's rows are dequantized when
+a step looks them up, the norms are the file's F32 values.
 The decoder (decoder.c) runs every step over these; transformers' layers, over the same PackedLinears, run only
 the load's probe, against which the serving path is checked.
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from tuichat.engine import quant
 from tuichat.engine.gguf_file import GGUFFile, config_and_tokenizer
+from tuichat.engine.heap import WeightArena
 from tuichat.engine.quant import PackedWeight
 from tuichat.engine.types import TuichatError
 
@@ -122,9 +124,11 @@ def _dequantized(file: GGUFFile, name: str) -> np.ndarray:
 ROW_MULTIPLE = 16
 
 
-def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = None) -> PackedWeight:
+def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = None,
+                  arena: WeightArena | None = None) -> PackedWeight:
     """Tensor `name` as the kernels will read it (see the module's docstring), its rows reordered by `rows`, and
-    padded with zeros to a multiple of ROW_MULTIPLE."""
+    padded with zeros to a multiple of ROW_MULTIPLE. Copies are made in `arena` (a new one if None)."""
+    arena = WeightArena() if arena is None else arena
     info = file.tensors[name]
     out_features, in_features = info.shape
     blocks = file.array(name)
@@ -136,16 +140,18 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = N
         blocks = np.concatenate([blocks, np.zeros((padding, *blocks.shape[1:]), dtype=blocks.dtype)])
         out_features += padding
     if qtype in quant.IN_PLACE and out_features % 4 == 0 and kernel.layout(qtype, in_features) == "in place":
+        if rows is not None or padding:
+            blocks = arena.copy(blocks)
+            file.release(name)  # served from the copy
         with warnings.catch_warnings():  # a read-only map: torch warns that writes would fail; none are made
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(blocks)
-        if rows is not None or padding:
-            file.release(name)  # served from the reordered or padded copy
         return PackedWeight(data, qtype, out_features, in_features)
     for format in ([qtype] if qtype in quant.BLOCK_BYTES else []) + ([quant.RECUT[qtype]] if qtype in quant.RECUT else []):
         try:
             source = np.ascontiguousarray(blocks) if format == qtype else kernel.recut(blocks, qtype)
-            packed = PackedWeight(kernel.pack(source, format, in_features), format, out_features, in_features)
+            out = torch.from_numpy(arena.array(source.shape))
+            packed = PackedWeight(kernel.pack(source, format, in_features, out), format, out_features, in_features)
             break
         except ValueError:  # a layout these kernels do not take: the next, or bf16
             continue
@@ -175,6 +181,7 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
         layers = model.model.layers
         names = get_tensor_name_map(arch, len(layers))
         mapped = Mapped(file)
+        arena = WeightArena()
 
         def tensor(hf_name: str, suffix: str = "weight") -> str | None:
             name = f"{names.get_name(hf_name)}.{suffix}" if names.get_name(hf_name) else None
@@ -192,7 +199,7 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
             rows = None
             if permuted and module_name.endswith(("q_proj", "k_proj")):
                 rows = quant._llama_rows(file.tensors[gguf_name].shape[0], heads if module_name.endswith("q_proj") else kv_heads)
-            weight = packed_weight(file, gguf_name, kernel, rows)
+            weight = packed_weight(file, gguf_name, kernel, rows, arena)
             bias_name = tensor(module_name, "bias")
             bias = None
             if bias_name is not None:

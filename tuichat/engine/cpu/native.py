@@ -92,9 +92,10 @@ class CpuKernels:
         """How pack() lays out `format` with `in_features` inputs: "tiles", "pairs" or "rows"."""
         return self.library.pack_layout(format, in_features).decode()
 
-    def pack(self, blocks, format: int, in_features: int) -> torch.Tensor:
-        """GGUF blocks (a C-contiguous uint8 array [N, K / 32 * block bytes]) in the order the kernels read them."""
-        out = torch.empty(blocks.shape, dtype=torch.uint8)
+    def pack(self, blocks, format: int, in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """GGUF blocks (a C-contiguous uint8 array [N, K / 32 * block bytes]) in the order the kernels read them,
+        into `out` (uint8, blocks' shape) or a new tensor."""
+        out = torch.empty(blocks.shape, dtype=torch.uint8) if out is None else out
         if self.library.pack_blocks(blocks.ctypes.data, format, blocks.shape[0], in_features, out.data_ptr()) != 0:
             raise ValueError(f"the CPU kernels do not take format {format} with {in_features} inputs")
         return out
