@@ -99,8 +99,10 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 /* A decode streams each thread's rows from DRAM one after another: asking for the bytes this far ahead keeps
- * enough loads in flight (docs/design/kernels.md: the distance was chosen by measuring). */
-#define KQ_AHEAD 4096
+ * enough loads in flight. Into L2 (T2), not L1: the L1's few miss buffers then stay free for the loads
+ * themselves (docs/design/kernels.md: the distance and the level were chosen by measuring). */
+#define KQ_AHEAD 8192
+#define KQ_HINT _MM_HINT_T2
 
 /* Index vectors for vpermw: each of a vector's four groups of 8 int16 lanes (the pair sums of 16 weights)
  * takes the scale of those 16 weights. */
@@ -179,9 +181,9 @@ static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row,
                                                              uint32_t *head) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const uint8_t *blk = row + (long)b * Q4_K_BYTES;
-    _mm_prefetch((const char *)blk + KQ_AHEAD, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + KQ_AHEAD + 64, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + KQ_AHEAD + 128, _MM_HINT_T0);
+    _mm_prefetch((const char *)blk + KQ_AHEAD, KQ_HINT);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 64, KQ_HINT);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 128, KQ_HINT);
     memcpy(head, blk, 4);
     const __m128i both = q4_k_scales_v(blk + 4);
     const __m512i scales = _mm512_broadcast_i32x4(both);
@@ -204,7 +206,7 @@ static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row,
     const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i idx[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11), lanes_of(12, 13, 14, 15)};
     const uint8_t *blk = row + (long)b * Q6_K_BYTES;
-    for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, _MM_HINT_T0);
+    for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, KQ_HINT);
     uint16_t dh;
     memcpy(&dh, blk + 208, 2);
     *head = dh;
