@@ -65,6 +65,24 @@ def test_on_a_real_vocabulary_the_kept_tokens_are_exactly_top_ps(temperature, dr
         assert probs[kept.tolist().index(high)] == probs.min()
 
 
+def test_a_nucleus_of_thousands_with_ties_is_ordered_likeliest_first_then_by_id(draw_kernels):
+    """A flat row (logits on three levels, 30,000 tokens, so that the nucleus is nearly all of them and the kernels
+    sort it by radix): a draw at the middle of the k-th token's share of the mass, in the order likeliest first
+    and ties by id, picks that token. The order and the shares are computed here, in float64."""
+    rng = np.random.default_rng(5)
+    levels = rng.integers(0, 3, 30000)
+    logits = torch.from_numpy(-levels.astype(np.float32))
+    params = SamplingParams(temperature=1.0, top_p=0.95)  # its cut among the level-2 tokens
+    order = np.lexsort((np.arange(len(levels)), levels))  # by level (likeliest first), then by id
+    weights = np.exp(-levels[order].astype(np.float64))
+    ends = np.cumsum(weights)
+    kept = np.count_nonzero(np.concatenate([[0.0], ends[:-1]]) < params.top_p * ends[-1])  # top_p's cut
+    for k in [0, 1, 2, 4999, 9000, 12000, 16000, 19000]:  # levels 0 and 1: shares wider than the sums' rounding
+        noise = Noise(0)
+        noise.uniform = lambda position, k=k: (ends[k] - weights[k] / 2) / ends[kept - 1]
+        assert sample(logits[None], [params], [noise], [0], kernels=draw_kernels)[0] == order[k], k
+
+
 def test_a_seed_and_a_position_always_give_the_same_token_and_another_seed_differs():
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, top_p=0.95)] * 3
