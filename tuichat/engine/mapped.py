@@ -124,11 +124,9 @@ def _dequantized(file: GGUFFile, name: str) -> np.ndarray:
 ROW_MULTIPLE = 16
 
 
-def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None = None,
-                  arena: WeightArena | None = None) -> PackedWeight:
+def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None, arena: WeightArena) -> PackedWeight:
     """Tensor `name` as the kernels will read it (see the module's docstring), its rows reordered by `rows`, and
-    padded with zeros to a multiple of ROW_MULTIPLE. Copies are made in `arena` (a new one if None)."""
-    arena = WeightArena() if arena is None else arena
+    padded with zeros to a multiple of ROW_MULTIPLE. Copies are made in `arena`."""
     info = file.tensors[name]
     out_features, in_features = info.shape
     blocks = file.array(name)

@@ -99,8 +99,8 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 /* A decode streams each thread's rows from DRAM one after another: asking for the bytes this far ahead keeps
- * enough loads in flight. Into L2 (T2), not L1: the L1's few miss buffers then stay free for the loads
- * themselves (docs/design/kernels.md: the distance and the level were chosen by measuring). */
+ * enough loads in flight. Into L2 (T2): into L1 measured slower, most likely because those prefetches hold the
+ * L1's few miss buffers that the loads need (docs/design/kernels.md: the distance and the level were measured). */
 #define KQ_AHEAD 8192
 #define KQ_HINT _MM_HINT_T2
 

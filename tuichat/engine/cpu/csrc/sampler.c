@@ -40,8 +40,8 @@ static int likelier(const void *a, const void *b) {
 
 /* kept[0, size), gathered in ascending id order, sorted likeliest first with ties by id, in kept or in spare (the
  * one returned). A large nucleus (a flat row: high temperature, or a random-weight model) is sorted by a stable LSD
- * radix sort on the weights' bits, which order as the weights do for floats >= 0: qsort of 10^5 candidates took
- * ~10 ms a token, the radix passes a few hundred microseconds. */
+ * radix sort on the weights' bits, which order as the weights do for floats >= 0: qsort of such a nucleus cost
+ * more than a small model's decode step (docs/design/sampling.md). */
 #define RADIX_MIN 2048
 static candidate *by_weight(candidate *kept, candidate *spare, int size) {
     if (size < RADIX_MIN) {
