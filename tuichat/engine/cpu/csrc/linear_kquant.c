@@ -519,24 +519,29 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
     __m512i S[KG_MR];
     for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
     for (int blk = 0; blk < 8; blk++) {
+        /* Two accumulators a row (even and odd v): KG_MR chains of dpbusd alone wait on its latency. */
         if (q4) {
-            __m512i dot[KG_MR];
-            for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
+            __m512i dot[2][KG_MR];
+            for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
             for (int v = 0; v < 8; v++)
                 for (int j = 0; j < mr; j++)
-                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * Q4_K_ORDER[blk] + 4 * v)));
-            for (int j = 0; j < mr; j++) S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(dot[j], u->sc[blk]));
+                    dot[v & 1][j] = _mm512_dpbusd_epi32(dot[v & 1][j], u->w[blk][v],
+                                                        _mm512_set1_epi32(x_four(a[j]->q + 32 * Q4_K_ORDER[blk] + 4 * v)));
+            for (int j = 0; j < mr; j++)
+                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]), u->sc[blk]));
             continue;
         }
         for (int half = 0; half < 2; half++) {
             const int g = 2 * blk + half;
-            __m512i dot[KG_MR];
-            for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
+            __m512i dot[2][KG_MR];
+            for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
             for (int v = 4 * half; v < 4 * half + 4; v++)
                 for (int j = 0; j < mr; j++)
-                    dot[j] = _mm512_dpbusd_epi32(dot[j], u->w[blk][v], _mm512_set1_epi32(x_four(a[j]->q + 32 * blk + 4 * v)));
+                    dot[v & 1][j] = _mm512_dpbusd_epi32(dot[v & 1][j], u->w[blk][v],
+                                                        _mm512_set1_epi32(x_four(a[j]->q + 32 * blk + 4 * v)));
             for (int j = 0; j < mr; j++)
-                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_sub_epi32(dot[j], _mm512_set1_epi32(32 * a[j]->sums[g])),
+                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_sub_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]),
+                                                                                  _mm512_set1_epi32(32 * a[j]->sums[g])),
                                                                  u->sc[g]));
         }
     }
@@ -685,15 +690,19 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
             for (int r = 0; r < KX_NR; r++) S[r] = _mm256_setzero_si256();
             const int groups = q4 ? 8 : 16, per = q4 ? 8 : 4; /* dwords of a scale's group */
             for (int g = 0; g < groups; g++) {
-                __m256i dot[KX_NR];
-                for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_setzero_si256();
+                /* Two accumulators a row (even and odd v): KX_NR chains of dpbusd alone wait on its latency. */
+                __m256i dot[KX_NR], odd[KX_NR];
+                for (int r = 0; r < KX_NR; r++) dot[r] = odd[r] = _mm256_setzero_si256();
                 for (int v = 0; v < per; v++) {
                     __m256i xv = _mm256_load_si256((const __m256i *)x->q[per * g + v]);
                     /* in a register: one load for the KX_NR dpbusd, not one each (the broadcasts load enough) */
                     __asm__("" : "+v"(xv));
-                    for (int r = 0; r < KX_NR; r++)
-                        dot[r] = _mm256_dpbusd_epi32(dot[r], _mm256_set1_epi32(w_four(wb[r] + 4 * (per * g + v))), xv);
+                    for (int r = 0; r < KX_NR; r++) {
+                        __m256i *into = v & 1 ? &odd[r] : &dot[r];
+                        *into = _mm256_dpbusd_epi32(*into, _mm256_set1_epi32(w_four(wb[r] + 4 * (per * g + v))), xv);
+                    }
                 }
+                for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_add_epi32(dot[r], odd[r]);
                 if (!q4) {
                     const __m256i offset = _mm256_load_si256((const __m256i *)x->sums32[g]);
                     for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_sub_epi32(dot[r], offset);
