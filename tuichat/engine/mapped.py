@@ -128,18 +128,22 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None, ar
     """Tensor `name` as the kernels will read it (see the module's docstring), its rows reordered by `rows`, and
     padded with zeros to a multiple of ROW_MULTIPLE. Copies are made in `arena`."""
     info = file.tensors[name]
-    out_features, in_features = info.shape
+    (file_rows, in_features), qtype = info.shape, info.type
+    out_features = file_rows + -file_rows % ROW_MULTIPLE
+    in_place = qtype in quant.IN_PLACE and kernel.layout(qtype, in_features) == "in place"
     blocks = file.array(name)
-    qtype = info.type
-    if rows is not None:
-        blocks = blocks[rows]  # a copy
-    padding = -out_features % ROW_MULTIPLE
-    if padding:  # a copy; zero bytes are zero weights in every format (their scales are 0)
-        blocks = np.concatenate([blocks, np.zeros((padding, *blocks.shape[1:]), dtype=blocks.dtype)])
-        out_features += padding
-    if qtype in quant.IN_PLACE and out_features % 4 == 0 and kernel.layout(qtype, in_features) == "in place":
-        if rows is not None or padding:
-            blocks = arena.copy(blocks)
+    copied = rows is not None or out_features > file_rows
+    if copied:  # reordered or padded, in one copy: in the arena where the kernels read it as it is
+        shape = (out_features, *blocks.shape[1:])
+        copy = arena.array(shape, blocks.dtype) if in_place else np.empty(shape, blocks.dtype)
+        if rows is None:
+            copy[:file_rows] = blocks
+        else:
+            np.take(blocks, rows, axis=0, out=copy[:file_rows])
+        copy[file_rows:] = 0  # zero bytes are zero weights in every format (their scales are 0)
+        blocks = copy
+    if in_place:
+        if copied:
             file.release(name)  # served from the copy
         with warnings.catch_warnings():  # a read-only map: torch warns that writes would fail; none are made
             warnings.simplefilter("ignore", UserWarning)
