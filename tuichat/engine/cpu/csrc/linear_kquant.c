@@ -25,6 +25,9 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "linear.h"
 
@@ -68,25 +71,44 @@ static inline void q4_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     memcpy(m, mins, 8);
 }
 
+/* v rounded to the nearest integers, ties to even, as lrintf (the default rounding mode). */
+static inline vi round_to_int(vf v) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX__)
+    return (vi)_mm256_cvtps_epi32((__m256)v);
+#else
+    vi n;
+    for (int l = 0; l < LANES; l++) n[l] = (int32_t)lrintf(v[l]);
+    return n;
+#endif
+}
+
 /* Row m of x into K / 256 blocks. The order of the quants is Q4_K's when q4. */
 static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_block *out) {
-    float v[QK];
+    typedef int8_t vq __attribute__((vector_size(LANES)));
+    vf v[QK / LANES];
     for (int b = 0; b < K / QK; b++) {
-        for (int i = 0; i < QK; i += LANES)
-            store_f32(v + i, f32 ? load_f32((const float *)x + offset + b * QK + i)
-                                 : load_bf16((const uint16_t *)x + offset + b * QK + i));
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        vf top = splat(0.0f);
+        for (int i = 0; i < QK / LANES; i++) {
+            v[i] = f32 ? load_f32((const float *)x + offset + b * QK + LANES * i)
+                       : load_bf16((const uint16_t *)x + offset + b * QK + LANES * i);
+            const vf a = pick((vi)v[i] < 0, -v[i], v[i]);
+            top = pick(a > top, a, top);
+        }
+        const float amax = hmax(top), d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         q8_block *o = out + b;
         o->d = d;
         int8_t q[QK];
-        for (int i = 0; i < QK; i++) q[i] = (int8_t)lrintf(v[i] * id);
-        for (int g = 0; g < 16; g++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += q[16 * g + i];
-            o->sums[g] = (int16_t)sum;
+        int32_t sum[QK / LANES];
+        for (int i = 0; i < QK / LANES; i++) {
+            const vi n = round_to_int(v[i] * id);
+            const vq n8 = __builtin_convertvector(n, vq);
+            memcpy(q + LANES * i, &n8, LANES);
+            sum[i] = 0;
+            for (int l = 0; l < LANES; l++) sum[i] += n[l];
         }
+        for (int g = 0; g < 16; g++) o->sums[g] = (int16_t)(LANES == 16 ? sum[g] : sum[2 * g] + sum[2 * g + 1]);
         for (int h = 0; h < 8; h++) o->halves[h] = (int16_t)(o->sums[2 * h] + o->sums[2 * h + 1]);
         if (!q4) {
             memcpy(o->q, q, QK);
@@ -416,11 +438,11 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
  * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
- * 16), Q4_K's minimums as int16 pairs (m[2k] | m[2k + 1] << 16), and d, -dmin. */
+ * 16), as int16 pairs (lane: v[2k] | v[2k + 1] << 16) Q4_K's minimums or Q6_K's scales, and d, -dmin. */
 typedef struct {
     __m512i w[8][8];
     __m512i sc[16];
-    __m512i mn[4];
+    __m512i mn[8];
     __m512 d, ndmin;
 } kg_block;
 
@@ -488,6 +510,9 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
         const __m512i four = _mm512_i32gather_epi32(rows, first + 192 + 4 * k, 1);
         for (int b = 0; b < 4; b++) u->sc[4 * k + b] = _mm512_srai_epi32(_mm512_slli_epi32(four, 24 - 8 * b), 24);
     }
+    for (int k = 0; k < 8; k++)
+        u->mn[k] = _mm512_or_si512(_mm512_and_si512(u->sc[2 * k], _mm512_set1_epi32(0xffff)),
+                                   _mm512_slli_epi32(u->sc[2 * k + 1], 16));
     u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, first + 206, 1), 16)));
     u->ndmin = _mm512_setzero_ps();
     for (int h = 0; h < 2; h++) {  /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
@@ -512,49 +537,41 @@ static inline int32_t x_four(const int8_t *q) {
     return four;
 }
 
+/* acc + dpbusd(w, the 4 int8 inputs at x broadcast), the broadcast folded into the instruction's memory operand
+ * ({1to16}): compilers load it into a register first, an extra instruction for each dpbusd. */
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*(const int32_t *)x));
+    return acc;
+}
+
 /* Input rows m0..m0+mr-1 against an unpacked super-block: each row's S and Ms, 16 rows' at once, and the two
- * fmas of every output (out: 16 floats per input row). */
+ * fmas of every output (out: 16 floats per input row). A sub-block's dot products go on one chain a row: the
+ * KG_MR rows' chains are enough to hide dpbusd's latency. Q6_K's -32 comes out of S once per super-block
+ * (32 * the scales times the inputs' sums of 16, in int16 pairs), not once per 16 weights. */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
                                                           const int mr, float *out) {
     __m512i S[KG_MR];
     for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
-    for (int blk = 0; blk < 8; blk++) {
-        /* Two accumulators a row (even and odd v): KG_MR chains of dpbusd alone wait on its latency. */
-        if (q4) {
-            __m512i dot[2][KG_MR];
-            for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
-            for (int v = 0; v < 8; v++)
-                for (int j = 0; j < mr; j++)
-                    dot[v & 1][j] = _mm512_dpbusd_epi32(dot[v & 1][j], u->w[blk][v],
-                                                        _mm512_set1_epi32(x_four(a[j]->q + 32 * Q4_K_ORDER[blk] + 4 * v)));
-            for (int j = 0; j < mr; j++)
-                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]), u->sc[blk]));
-            continue;
-        }
-        for (int half = 0; half < 2; half++) {
-            const int g = 2 * blk + half;
-            __m512i dot[2][KG_MR];
-            for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
-            for (int v = 4 * half; v < 4 * half + 4; v++)
-                for (int j = 0; j < mr; j++)
-                    dot[v & 1][j] = _mm512_dpbusd_epi32(dot[v & 1][j], u->w[blk][v],
-                                                        _mm512_set1_epi32(x_four(a[j]->q + 32 * blk + 4 * v)));
-            for (int j = 0; j < mr; j++)
-                S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_sub_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]),
-                                                                                  _mm512_set1_epi32(32 * a[j]->sums[g])),
-                                                                 u->sc[g]));
-        }
+    for (int g = 0; g < (q4 ? 8 : 16); g++) {
+        const int blk = q4 ? g : g / 2, v0 = q4 ? 0 : 4 * (g & 1), v1 = q4 ? 8 : v0 + 4;
+        const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
+        __m512i dot[2][KG_MR];
+        for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
+        for (int v = v0; v < v1; v++)
+            for (int j = 0; j < mr; j++) dot[v & 1][j] = dpbusd_bcast(dot[v & 1][j], u->w[blk][v], a[j]->q + at + 4 * v);
+        for (int j = 0; j < mr; j++)
+            S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]), u->sc[g]));
     }
     for (int j = 0; j < mr; j++) {
         const __m512 dx = _mm512_set1_ps(a[j]->d);
         __m512 o = _mm512_loadu_ps(out + 16 * j);
+        __m512i ms = _mm512_setzero_si512();
+        for (int k = 0; k < (q4 ? 4 : 8); k++)
+            ms = _mm512_add_epi32(ms, _mm512_madd_epi16(u->mn[k], _mm512_set1_epi32(x_four(
+                                          (const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k)))));
+        if (!q4) S[j] = _mm512_sub_epi32(S[j], _mm512_slli_epi32(ms, 5));
         o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[j]), _mm512_mul_ps(u->d, dx), o);
-        if (q4) {
-            __m512i ms = _mm512_setzero_si512();
-            for (int k = 0; k < 4; k++)
-                ms = _mm512_add_epi32(ms, _mm512_madd_epi16(u->mn[k], _mm512_set1_epi32(x_four((const int8_t *)(a[j]->halves + 2 * k)))));
-            o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(u->ndmin, dx), o);
-        }
+        if (q4) o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(u->ndmin, dx), o);
         _mm512_storeu_ps(out + 16 * j, o);
     }
 }
@@ -585,6 +602,10 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
             case 1: KG_PASS(1, full); break;
             case 2: KG_PASS(2, full); break;
             case 3: KG_PASS(3, full); break;
+            case 4: KG_PASS(4, full); break;
+            case 5: KG_PASS(5, full); break;
+            case 6: KG_PASS(6, full); break;
+            case 7: KG_PASS(7, full); break;
             default: break;
         }
 #undef KG_PASS
