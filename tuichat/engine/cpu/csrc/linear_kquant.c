@@ -100,14 +100,15 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
         q8_block *o = out + b;
         o->d = d;
         int8_t q[QK];
-        int32_t sum[QK / LANES];
+        vf whole[QK / LANES]; /* the quants as floats (exact), whose lane sums sum_each takes LANES at a time */
         for (int i = 0; i < QK / LANES; i++) {
             const vi n = round_to_int(v[i] * id);
             const vq n8 = __builtin_convertvector(n, vq);
             memcpy(q + LANES * i, &n8, LANES);
-            sum[i] = 0;
-            for (int l = 0; l < LANES; l++) sum[i] += n[l];
+            whole[i] = __builtin_convertvector(n, vf);
         }
+        float sum[QK / LANES];
+        for (int i = 0; i < QK / LANES; i += LANES) store_f32(sum + i, sum_each(whole + i));
         for (int g = 0; g < 16; g++) o->sums[g] = (int16_t)(LANES == 16 ? sum[g] : sum[2 * g] + sum[2 * g + 1]);
         for (int h = 0; h < 8; h++) o->halves[h] = (int16_t)(o->sums[2 * h] + o->sums[2 * h + 1]);
         if (!q4) {
