@@ -85,7 +85,7 @@ static inline vi round_to_int(vf v) {
 }
 
 /* Row m of x into K / 256 blocks. The order of the quants is Q4_K's when q4. */
-static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_block *out) {
+static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_block *out, long step) {
     typedef int8_t vq __attribute__((vector_size(LANES)));
     vf v[QK / LANES];
     for (int b = 0; b < K / QK; b++) {
@@ -97,7 +97,7 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
             top = pick(a > top, a, top);
         }
         const float amax = hmax(top), d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        q8_block *o = out + b;
+        q8_block *o = out + b * step;
         o->d = d;
         int8_t q[QK];
         vf whole[QK / LANES]; /* the quants as floats (exact), whose lane sums sum_each takes LANES at a time */
@@ -594,7 +594,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
         const q8_block *a[KG_MR];
 #define KG_PASS(mr, m0)                                                             \
         do {                                                                        \
-            for (int j = 0; j < mr; j++) a[j] = xq + (long)((m0) + j) * blocks + b; \
+            for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
             if (q4) kg_rows(u, 1, a, mr, out + 16L * (m0));                          \
             else kg_rows(u, 0, a, mr, out + 16L * (m0));                             \
         } while (0)
@@ -780,7 +780,9 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++) quantize_row(x, f32, (long)m * x_stride, K, q4, xq + (long)m * blocks);
+        /* The GEMM reads every input row's block b in turn: block-major for it, row-major for the others */
+        for (int m = 0; m < M; m++)
+            quantize_row(x, f32, (long)m * x_stride, K, q4, gemm ? xq + m : xq + (long)m * blocks, gemm ? M : 1);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
         if (lanes) {
             kx_block *kx = (kx_block *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64);
