@@ -215,3 +215,56 @@ def test_an_unserved_family_is_refused_before_its_weights_load(tmp_path, monkeyp
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(TuichatError, match="tuichat cannot run .*: the mamba family is not one tuichat has verified"):
         LocalBackend().load_sync(str(tmp_path))
+
+
+def test_sliding_window_layers_give_back_the_kv_that_left_every_window():
+    """Gemma 3's sliding layer (layer 0, window 24) keeps only a window's K/V: the pages of the blocks a
+    sequence has left behind read as zeros there, not in the full layer. A later prompt sharing only the early
+    part of that conversation must not take the released blocks as a prefix hit (its first rows would read
+    zeros in the window), while the conversation's own next turn still hits; both as transformers generates."""
+    family = "gemma3_text"
+    # blocks of 32 positions: a block's K/V in a layer fill a page (2 KV heads of 16 fp32 dims), which can go back
+    engine = Engine(pair(family), config=EngineConfig(num_blocks=32, block_size=32))
+    assert engine.blocks.window == WINDOW
+    bs = engine.blocks.block_size
+    (prompt,) = prompts_of([100], seed=8)
+    (first,) = engine.generate([prompt], SamplingParams(max_tokens=10))
+    check(family, engine, prompt, first, 10)
+    released = [b.id for b in engine.blocks.blocks if not b.resident]
+    computed = len(first.token_ids) - 1  # the last token has no K/V yet
+    assert len(released) == (computed // bs * bs + 1 - WINDOW) // bs  # out of the window of the last full block's end
+    for block in released:
+        rows = slice(block * bs, (block + 1) * bs)
+        assert not engine.kv.k[0][rows].any() and not engine.kv.v[0][rows].any()
+        assert engine.kv.k[1][rows].any() and engine.kv.v[1][rows].any()
+
+    early = prompt[:70] + prompts_of([20], seed=9)[0]  # shares 4 full blocks, whose window was released
+    (other,) = engine.generate([early], SamplingParams(max_tokens=8))
+    assert other.num_cached_tokens == 0
+    check(family, engine, early, other, 8)
+
+    later = first.token_ids + prompts_of([5], seed=10)[0]
+    (turn,) = engine.generate([later], SamplingParams(max_tokens=8))
+    assert turn.num_cached_tokens >= len(first.token_ids) - bs
+    check(family, engine, later, turn, 8)
+    assert_free(engine)
+    engine.close()
+
+
+def test_released_blocks_still_come_back_from_disk_after_a_restart(tmp_path):
+    """A block goes to the KV disk whole before its sliding layer's pages are released: the next session
+    restores the whole conversation, not only what was still resident when the last one closed."""
+    family = "gemma3_text"
+    config = EngineConfig(num_blocks=32, block_size=32, kv_disk=(tmp_path / "kv", "gemma3"))
+    engine = Engine(pair(family), config=config)
+    (prompt,) = prompts_of([100], seed=11)
+    (first,) = engine.generate([prompt], SamplingParams(max_tokens=10))
+    assert any(not b.resident for b in engine.blocks.blocks)
+    engine.close()
+
+    again = Engine(pair(family), config=config)
+    later = first.token_ids + prompts_of([5], seed=12)[0]
+    (turn,) = again.generate([later], SamplingParams(max_tokens=8))
+    assert turn.num_restored_tokens == (len(later) - 1) // 32 * 32
+    check(family, again, later, turn, 8)
+    again.close()

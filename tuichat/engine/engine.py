@@ -6,6 +6,7 @@ to asyncio). Tests and benchmarks can also drive `step()` directly, with no thre
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -116,6 +117,10 @@ class Engine:
         # offloads some to the CPU or disk and computes them on its execution device.
         self.kv = KVCache(num_layers, num_blocks, config.block_size, local_kv_heads, head_dim, self.dtype,
                           self.attention.devices)
+        sliding = [i for i, window in enumerate(self.attention.windows) if window]
+        if sliding and self.kv.releasable and config.tp == 1:  # their K/V freed as it leaves every window
+            self.blocks.window = max(self.attention.windows[i] for i in sliding)
+            self.blocks.release = functools.partial(self.kv.release, layers=sliding)
         prepared = prepare(model, source, config, self.kv, self.blocks, self.attention, what)
         # One process holds the whole KV only without tensor parallelism (each rank caches its own heads).
         self.kv_disk = (KVDisk(*config.kv_disk, self.kv, config.block_size, config.kv_disk_mb * 2**20)
@@ -285,6 +290,8 @@ class Engine:
             for chunk in chunks:
                 chunk.seq.num_computed = chunk.start + chunk.length - len(chunk.draft)  # a draft's, once accepted
                 self.blocks.register_computed(chunk.seq)
+                if self.blocks.window is not None:
+                    self.blocks.release_window(chunk.seq)
             sampling = [c for c in chunks if c.samples]
             if sampling:
                 tokens = self._sample(logits, sampling)

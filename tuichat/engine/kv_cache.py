@@ -8,12 +8,19 @@ CVE-2025-25183 for the same reason). Hashes are registered only once a block's
 K/V is really computed (chunked prefill can leave a block allocated but not yet filled). Blocks whose ref
 count drops to zero keep their hash and stay findable until the pool needs them; they are reused oldest
 freed first (LRU), like vLLM's free-block queue.
+
+Sliding-window layers need only a window's K/V: once every position of a block is out of the window of a
+sequence's next row, the block's pages in those layers are given back to the system (KVCache.release) while
+its full-attention layers keep theirs. Such a block is no longer `resident`: it still serves a prefix hit,
+but only where no sliding layer reads it, so a hit is cut back until the window before its end lies in
+resident blocks (vLLM's hybrid allocator keeps the same rule with a block table per kind of layer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,6 +46,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    resident: bool = True  # False once its sliding-window layers' K/V were released
 
 
 class BlockManager:
@@ -52,6 +60,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: dict[bytes, int] = {}
         self.lower = None  # a kv_disk.KVDisk: evicted blocks go there, and new sequences' blocks come back from it
+        # The longest sliding window of the model's layers, and what gives a block's pages in those layers back
+        # (KVCache.release), where the engine releases them; None: every block stays resident.
+        self.window: int | None = None
+        self.release = None
 
     # -- accounting -------------------------------------------------------------------------------------
     @property
@@ -70,11 +82,11 @@ class BlockManager:
         if not self.free:
             raise CacheFull
         block = self.blocks[self.free.popitem(last=False)[0]]
-        if block.hash is not None and self.lower is not None:
+        if block.hash is not None and self.lower is not None and block.resident:
             self.lower.write(block)  # evicted from the pool, kept on disk
         if block.hash is not None and self.by_hash.get(block.hash) == block.id:
             del self.by_hash[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.token_ids, block.ref_count, block.resident = None, (), 1, True
         return block
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -90,7 +102,14 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
+        if self.window is not None:  # the first row computed reads the window before it in sliding layers
+            while hits and not all(self.blocks[b].resident for b in hits[self._window_start(len(hits) * bs) :]):
+                hits.pop()
         return hits
+
+    def _window_start(self, position: int) -> int:
+        """The first block that a row at `position` reads in a sliding-window layer."""
+        return max(0, position + 1 - self.window) // self.block_size
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
@@ -108,6 +127,7 @@ class BlockManager:
         seq.block_table = hits + [self._take_free().id for _ in range(needed)]
         seq.num_computed = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        seq.num_released_blocks = 0
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
         if self.lower is not None and self.prefix_cache:  # the blocks after the hits, from disk where it has them
             restored = self.lower.restore(seq, len(hits), seq.last_block_hash) * self.block_size
@@ -121,11 +141,26 @@ class BlockManager:
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self._take_free().id)
 
+    def release_window(self, seq: Sequence) -> None:
+        """Give back the sliding-window layers' pages of seq's blocks that no row of it will read again: those
+        wholly before the window of its last full block's end, not of its next row, so that a next turn's prefix
+        hit (full blocks only) still finds its window. A block another sequence holds too is kept: that one may
+        still read it."""
+        end = self._window_start(seq.num_computed // self.block_size * self.block_size)
+        for i in range(seq.num_released_blocks, min(end, len(seq.block_table))):
+            block = self.blocks[seq.block_table[i]]
+            if block.ref_count == 1 and block.resident:
+                if self.lower is not None:
+                    self.lower.write(block)  # whole, while it is: a later session restores it from there
+                if self.release(block.id):
+                    block.resident = False
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
+
     def keep_all(self) -> None:
-        """Every cached block to disk (the engine closing)."""
+        """Every cached block to disk (the engine closing); a released one went there before its release."""
         if self.lower is not None:
             for block in self.blocks:
-                if block.hash is not None:
+                if block.hash is not None and block.resident:
                     self.lower.write(block)
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -139,6 +174,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
         seq.last_block_hash = None
 
     def register_computed(self, seq: Sequence) -> None:
@@ -174,14 +210,37 @@ class KVCache:
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         size = 2 * num_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._map = None
         if size and all(torch.device(d).type == "cpu" for d in devices[:num_layers]):
-            # One calloc'd pool (numpy's zeros; torch.zeros writes every byte): the kernel maps its zero pages on
-            # first write, so the process's memory grows with the tokens cached, not with the pool's size.
-            pool = torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).view(2, num_layers, *shape)
+            # One anonymous map (torch.zeros writes every byte): the kernel maps its zero pages on first write, so
+            # the process's memory grows with the tokens cached, not with the pool's size; page-aligned, so that
+            # a block's pages can be given back (release).
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no giving back
+            pool = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8)).view(dtype).view(2, num_layers, *shape)
             self.k, self.v = list(pool[0]), list(pool[1])
+            self._block_bytes = block_size * num_kv_heads * head_dim * pool.element_size()
+            self._layer_bytes = num_blocks * self._block_bytes
             return
         self.k = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+
+    @property
+    def releasable(self) -> bool:
+        return self._map is not None
+
+    def release(self, block_id: int, layers: list[int]) -> bool:
+        """Give the pages of block_id in these layers back to the system (they read as zeros after): the whole
+        pages within the block's K and V, in each layer. False where a block holds no whole page (its K/V stay)."""
+        if self._block_bytes < 2 * mmap.PAGESIZE and self._block_bytes % mmap.PAGESIZE:
+            return False  # unless it fills its pages exactly, a block this small may hold none whole
+        for half in range(2):
+            for layer in layers:
+                start = ((half * len(self.k) + layer) * self._layer_bytes + block_id * self._block_bytes)
+                first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+                end = (start + self._block_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                if end > first:
+                    self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+        return True
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

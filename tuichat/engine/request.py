@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0  # tokens [0, num_computed) have their K/V in the cache
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_released_blocks: int = 0  # leading blocks whose sliding-window layers' K/V were released (BlockManager)
     last_block_hash: bytes | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_restored_tokens: int = 0  # of those, read back from disk (kv_disk.py)
