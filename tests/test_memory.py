@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def serve():
     peers = []
 
-    def start(model: str) -> ServePeer:
-        peers.append(ServePeer(model, EngineOptions(), [Message("user", "hello")]))
+    def start(model: str, **options) -> ServePeer:
+        peers.append(ServePeer(model, EngineOptions(**options), [Message("user", "hello")]))
         return peers[-1]
 
     yield start
@@ -33,8 +33,10 @@ def serve():
 
 def test_rss_stays_flat_over_idle_busy_cycles(serve):
     """Each fresh ~450-token prompt after the engine thread ended for idleness, so each runs on a new thread:
-    what a TUI left open sees at nearly every message. Scratch kept per thread leaked ~9 MB a cycle here."""
-    samples = idle_cycles(serve("smollm2-135m"), count=10, gap_s=IDLE_EXIT_S + 0.4, words=300)
+    what a TUI left open sees at nearly every message. Scratch kept per thread leaked ~9 MB a cycle here.
+    The KV pool's pages are mapped as tokens are first cached (~7 MB a cycle here), growth up to the pool's size
+    and no further: a 32 MB pool (~1,400 tokens) is full by the third cycle, and reused from then on."""
+    samples = idle_cycles(serve("smollm2-135m", kv_cache_mb=32), count=10, gap_s=IDLE_EXIT_S + 0.4, words=300)
     settled = samples[2]  # after the first cycles' one-time growth (allocator pools, caches filled once)
     assert max(samples[2:]) - settled < 50, f"RSS (MB) by cycle: {[round(s) for s in samples]}"
 
