@@ -9,8 +9,8 @@ K/V is really computed (chunked prefill can leave a block allocated but not yet 
 count drops to zero keep their hash and stay findable until the pool needs them; they are reused oldest
 freed first (LRU), like vLLM's free-block queue.
 
-Sliding-window layers need only a window's K/V: once every position of a block is out of the window of a
-sequence's next row, the block's pages in those layers are given back to the system (KVCache.release) while
+Sliding-window layers need only a window's K/V: once every position of a block is out of the window of the
+end of a sequence's last full block, the block's pages in those layers are given back (KVCache.release) while
 its full-attention layers keep theirs. Such a block is no longer `resident`: it still serves a prefix hit,
 but only where no sliding layer reads it, so a hit is cut back until the window before its end lies in
 resident blocks (vLLM's hybrid allocator keeps the same rule with a block table per kind of layer).
@@ -152,8 +152,8 @@ class BlockManager:
             if block.ref_count == 1 and block.resident:
                 if self.lower is not None:
                     self.lower.write(block)  # whole, while it is: a later session restores it from there
-                if self.release(block.id):
-                    block.resident = False
+                self.release(block.id)
+                block.resident = False
         seq.num_released_blocks = max(seq.num_released_blocks, end)
 
     def keep_all(self) -> None:
@@ -226,13 +226,13 @@ class KVCache:
 
     @property
     def releasable(self) -> bool:
-        return self._map is not None
+        """Whether every block's K/V in a layer holds whole pages to give back: a block of a whole number of pages
+        (the pool and its layers start on pages), or of two pages or more."""
+        return self._map is not None and (self._block_bytes % mmap.PAGESIZE == 0 or self._block_bytes >= 2 * mmap.PAGESIZE)
 
-    def release(self, block_id: int, layers: list[int]) -> bool:
+    def release(self, block_id: int, layers: list[int]) -> None:
         """Give the pages of block_id in these layers back to the system (they read as zeros after): the whole
-        pages within the block's K and V, in each layer. False where a block holds no whole page (its K/V stay)."""
-        if self._block_bytes < 2 * mmap.PAGESIZE and self._block_bytes % mmap.PAGESIZE:
-            return False  # unless it fills its pages exactly, a block this small may hold none whole
+        pages within the block's K and V, in each layer."""
         for half in range(2):
             for layer in layers:
                 start = ((half * len(self.k) + layer) * self._layer_bytes + block_id * self._block_bytes)
@@ -240,7 +240,6 @@ class KVCache:
                 end = (start + self._block_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
                 if end > first:
                     self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
-        return True
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
