@@ -238,10 +238,16 @@ def test_sliding_window_layers_give_back_the_kv_that_left_every_window():
         assert not engine.kv.k[0][rows].any() and not engine.kv.v[0][rows].any()
         assert engine.kv.k[1][rows].any() and engine.kv.v[1][rows].any()
 
-    early = prompt[:70] + prompts_of([20], seed=9)[0]  # shares 4 full blocks, whose window was released
+    early = prompt[:70] + prompts_of([3], seed=9)[0]  # shares 2 full blocks, whose window was released
     (other,) = engine.generate([early], SamplingParams(max_tokens=8))
     assert other.num_cached_tokens == 0
     check(family, engine, early, other, 8)
+    # Computed again by `other`, its second block stays resident (the window of its last full block's end reaches
+    # into it) and takes the entry from the released twin: a third prompt now hits both blocks
+    again = prompt[:70] + prompts_of([4], seed=13)[0]
+    (third,) = engine.generate([again], SamplingParams(max_tokens=8))
+    assert third.num_cached_tokens == 2 * bs
+    check(family, engine, again, third, 8)
 
     later = first.token_ids + prompts_of([5], seed=10)[0]
     (turn,) = engine.generate([later], SamplingParams(max_tokens=8))

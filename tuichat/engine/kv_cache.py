@@ -187,8 +187,10 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_digest(seq.last_block_hash, tokens)
             block = self.blocks[seq.block_table[i]]
-            # A twin computed by another sequence at the same time keeps the entry; ours stays private.
-            if h not in self.by_hash:
+            # A twin computed by another sequence at the same time keeps the entry; ours stays private. A released
+            # twin gives the entry up: ours can serve a hit it could not.
+            twin = self.by_hash.get(h)
+            if twin is None or not self.blocks[twin].resident:
                 block.hash, block.token_ids = h, tokens
                 self.by_hash[h] = block.id
             seq.last_block_hash = h

@@ -546,9 +546,9 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
 }
 
 /* Input rows m0..m0+mr-1 against an unpacked super-block: each row's S and Ms, 16 rows' at once, and the two
- * fmas of every output (out: 16 floats per input row). A sub-block's dot products go on one chain a row: the
- * KG_MR rows' chains are enough to hide dpbusd's latency. Q6_K's -32 comes out of S once per super-block
- * (32 * the scales times the inputs' sums of 16, in int16 pairs), not once per 16 weights. */
+ * fmas of every output (out: 16 floats per input row). Two accumulators a row (even and odd v): KG_MR chains of
+ * dpbusd alone wait on its latency (one chain a row measured no faster). Q6_K's -32 comes out of S once per
+ * super-block (32 * the scales times the inputs' sums of 16, in int16 pairs), not once per 16 weights. */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
                                                           const int mr, float *out) {
     __m512i S[KG_MR];
