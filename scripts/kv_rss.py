@@ -33,7 +33,7 @@ def main() -> None:
 
     from tuichat import catalog
     from tuichat.backends.protocol import SamplingParams
-    from tuichat.engine import loader
+    from tuichat.engine import heap, loader
     from tuichat.engine.engine import Engine, EngineConfig
 
     resolved = catalog.resolve(args.model)
@@ -45,7 +45,7 @@ def main() -> None:
     engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     k = engine.kv.k[0]
     pool = 2 * len(engine.kv.k) * k.numel() * k.element_size()
-    process = int(re.search(r"Rss:\s+(\d+)", Path("/proc/self/smaps_rollup").read_text()).group(1)) // 1024
+    process = heap.process_memory()[0] >> 20
     released = sum(not b.resident for b in engine.blocks.blocks)
     print(f"{len(ids)} prompt tokens; KV pool {pool >> 20} MB, {resident_mb(k.data_ptr(), pool)} MB resident "
           f"({released} blocks released in sliding-window layers); process RSS {process} MB")

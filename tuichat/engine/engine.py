@@ -290,8 +290,7 @@ class Engine:
             for chunk in chunks:
                 chunk.seq.num_computed = chunk.start + chunk.length - len(chunk.draft)  # a draft's, once accepted
                 self.blocks.register_computed(chunk.seq)
-                if self.blocks.window is not None:
-                    self.blocks.release_window(chunk.seq)
+                self.blocks.release_window(chunk.seq)
             sampling = [c for c in chunks if c.samples]
             if sampling:
                 tokens = self._sample(logits, sampling)

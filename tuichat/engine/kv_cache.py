@@ -145,7 +145,9 @@ class BlockManager:
         """Give back the sliding-window layers' pages of seq's blocks that no row of it will read again: those
         wholly before the window of its last full block's end, not of its next row, so that a next turn's prefix
         hit (full blocks only) still finds its window. A block another sequence holds too is kept: that one may
-        still read it."""
+        still read it. Nothing where the model has no sliding window (or its blocks cannot be released)."""
+        if self.window is None:
+            return
         end = self._window_start(seq.num_computed // self.block_size * self.block_size)
         for i in range(seq.num_released_blocks, min(end, len(seq.block_table))):
             block = self.blocks[seq.block_table[i]]
