@@ -413,6 +413,36 @@ def test_loader_serves_in_place_only_a_bf16_cpu_auto_load(kernel, kquant, tmp_pa
     assert not any(p.suffix == ".safetensors" for p in files_under(tmp_path / "cache"))
 
 
+def test_a_load_runs_no_collection_but_the_one_that_settles_it(kernel, kquant, tmp_path, monkeypatch):
+    """The collector is paused while a backend imports and loads a model: the only collection is the settle
+    as the pause ends, and the collector is on again afterwards, also after a load that fails."""
+    import gc
+
+    from tuichat.backends.local import LocalBackend
+    from tuichat.backends.protocol import EngineOptions
+
+    monkeypatch.setenv("TUICHAT_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(kquant.path.read_bytes()[:4096])
+    backend = LocalBackend(EngineOptions(kv_cache_mb=16), default_model=str(kquant.path))
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        backend.load_sync(str(kquant.path))
+        assert collections == [2] and gc.isenabled()
+        with pytest.raises(TuichatError):
+            backend.load_sync(str(broken))
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+        asyncio.run(backend.close())
+
+
 @pytest.mark.parametrize("which", ["kquant", "qwen3", "gemma3"])
 def test_k_quant_replies_do_not_depend_on_batching_chunking_or_caching(kernel, which, request):
     """The mapped engine against itself, token for token (the float32 test above is the correctness reference)."""

@@ -36,7 +36,7 @@ from tuichat.backends.protocol import (
     Usage,
 )
 from tuichat.engine import stores
-from tuichat.engine.heap import process_memory, settle_heap
+from tuichat.engine.heap import collector_paused, process_memory, settle_heap
 from tuichat.engine.storage import cache_dir
 
 MAX_LOADED_MODELS = 2  # a third model evicts the least recently used idle one
@@ -201,47 +201,49 @@ class LocalBackend:
             if (loaded := self._ready(resolved.name)) is not None:
                 loaded.last_used = time.monotonic()
                 return resolved.name
-            from tuichat.engine import loader
-            from tuichat.engine.cpu import build, native
-            from tuichat.engine.engine import Engine, EngineConfig, recommended_sampling
+            # The imports and the load make objects by the hundred thousand that full collections would walk
+            # again and again (heap.collector_paused).
+            with collector_paused():
+                from tuichat.engine import loader
+                from tuichat.engine.cpu import build, native
+                from tuichat.engine.engine import Engine, EngineConfig, recommended_sampling
 
-            self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
-            self._evict_idle()
-            device = loader.resolve_device(self.options.device)
-            resolved = loader.download(resolved, progress)
-            family = loader.family(resolved, progress)
-            # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
-            if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
-                loader.report(progress, "Building tuichat's CPU kernels (once)")
-            dtype = loader.resolve_dtype(self.options.dtype, device, family, resolved.kind == "gguf")
-            started = time.monotonic()  # after the kernels' build (resolve_dtype): a once-per-machine cost
-            in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
-            weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
-            if resolved.template and tokenizer is not None and not tokenizer.chat_template:
-                from tuichat.engine.go_template import to_jinja
+                self._drop(resolved.name)  # a broken engine (a tensor-parallel rank failed): start afresh
+                self._evict_idle()
+                device = loader.resolve_device(self.options.device)
+                resolved = loader.download(resolved, progress)
+                family = loader.family(resolved, progress)
+                # Before the dtype: whether the kernels built is what decides it on a CPU (resolve_dtype).
+                if device.type == "cpu" and self.options.dtype in ("auto", "bfloat16") and build.build_pending():
+                    loader.report(progress, "Building tuichat's CPU kernels (once)")
+                dtype = loader.resolve_dtype(self.options.dtype, device, family, resolved.kind == "gguf")
+                started = time.monotonic()  # after the kernels' build (resolve_dtype): a once-per-machine cost
+                in_place = loader.in_place(resolved, device, dtype, self.options.quant, self.options.tp, self.options.device_map)
+                weights, tokenizer = loader.load(resolved, device, dtype, self.options.device_map, progress, mapped=in_place)
+                if resolved.template and tokenizer is not None and not tokenizer.chat_template:
+                    from tuichat.engine.go_template import to_jinja
 
-                tokenizer.chat_template = to_jinja(resolved.template)
-            quant_cache = loader.quant_cache(resolved, self.options.quant)
-            serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
-            kv_disk = (cache_dir() / "kv", loader.kv_identity(resolved, dtype, self.options.quant, in_place))
-            config = EngineConfig(**serving, quant_cache=quant_cache,  # (served in place: no checkpoint to key by)
-                                  quant_source=None if in_place else loader.checkpoint_dir(resolved), kv_disk=kv_disk)
-            import torch
+                    tokenizer.chat_template = to_jinja(resolved.template)
+                quant_cache = loader.quant_cache(resolved, self.options.quant)
+                serving = {f.name: getattr(self.options, f.name) for f in fields(ServingOptions)}
+                kv_disk = (cache_dir() / "kv", loader.kv_identity(resolved, dtype, self.options.quant, in_place))
+                config = EngineConfig(**serving, quant_cache=quant_cache,  # (served in place: no checkpoint to key by)
+                                      quant_source=None if in_place else loader.checkpoint_dir(resolved), kv_disk=kv_disk)
+                import torch
 
-            kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run
-            if (kernels and family in native.SUPPORTED_MODEL_TYPES and self.options.tp == 1 and quant_cache is not None
-                    and not quant_cache.is_file()):
-                loader.report(progress, f"Quantizing {resolved.name} to {self.options.quant} (first use only)")
-            engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
-            engine.start()
-            with self._lease_lock:
-                self._loaded[resolved.name] = _Loaded(
-                    engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
-                    recommended_sampling(weights), time.monotonic() - started,
-                    getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0), resolved.stop,
-                )
-            settle_heap()  # the load's transient buffers (packing, conversion) back to the system
-            return resolved.name
+                kernels = device.type == "cpu" and dtype is torch.bfloat16  # where tuichat's kernels run
+                if (kernels and family in native.SUPPORTED_MODEL_TYPES and self.options.tp == 1 and quant_cache is not None
+                        and not quant_cache.is_file()):
+                    loader.report(progress, f"Quantizing {resolved.name} to {self.options.quant} (first use only)")
+                engine = Engine(weights, tokenizer, config, name=resolved.name, source=resolved)
+                engine.start()
+                with self._lease_lock:
+                    self._loaded[resolved.name] = _Loaded(
+                        engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
+                        recommended_sampling(weights), time.monotonic() - started,
+                        getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0), resolved.stop,
+                    )
+                return resolved.name  # the pause's end settles: the load's transient buffers back to the system
 
     def _acquire(self, name: str) -> _Loaded | None:
         """Lease the loaded engine `name` for one stream (None if it was evicted or broke since it loaded)."""

@@ -3,6 +3,7 @@ imports it)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -47,6 +48,26 @@ def process_memory(pid: int | str = "self") -> tuple[int, int]:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         return peak, peak
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic collector off while a model loads; the outermost pause settles the heap as it ends (on error
+    too) and gives the collector back as it was. A load makes hundreds of thousands of objects that live as
+    long as the model (the vocabulary's, transformers' modules, torch's imports); each allocation burst set off
+    full collections that walked all of them again, much of a GGUF's load. Settled before the collector is
+    back, because its first collection would otherwise walk everything made while it was off."""
+    if not gc.isenabled():  # a caller's pause, which settles as it ends
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        try:
+            settle_heap()
+        finally:
+            gc.enable()
 
 
 def settle_heap() -> None:

@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from tuichat.engine import families
 from tuichat.engine.cpu.build import cpu_flags
-from tuichat.engine.heap import settle_heap
+from tuichat.engine.heap import collector_paused, settle_heap
 from tuichat.engine.storage import cache_dir
 from tuichat.engine.types import ProgressCallback, ResolvedModel, TuichatError
 
@@ -228,18 +228,18 @@ def load(
 ):
     """Returns (model, tokenizer or None), the model in eval mode on `device` (or spread by `device_map`).
     `mapped` (where in_place says so): served from the GGUF's own blocks (mapped.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if mapped:
         from tuichat.engine import mapped as mapping
         from tuichat.engine.cpu import build
 
         report(progress, f"Mapping {model.name}", None)
         kernel, _ = build.load()
-        weights, tokenizer = mapping.load(model.source, kernel, metadata_cache(), with_tokenizer)
-        settle_heap()
+        with collector_paused():
+            weights, tokenizer = mapping.load(model.source, kernel, metadata_cache(), with_tokenizer)
         report(progress, f"Loaded {model.name}", 1.0)
         return weights, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     source = str(converted_path(model, progress)) if model.kind == "gguf" else model.source
     refuse_unsupported(model.name, source)
     report(progress, f"Loading {model.name}", None)
