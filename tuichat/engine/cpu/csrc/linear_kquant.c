@@ -627,7 +627,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
 #define KX_MAX_M 32
 
 /* KX_LANES input rows at one super-block: dword p (inputs 4p..4p+3, natural order) of each, their scales, Q4_K's
- * sub-block sums as int16 pairs (lane: s[2k] | s[2k + 1] << 16), Q6_K's 32 times the sum of each 16. */
+ * sub-block sums as int16 pairs (lane: s[2k] | s[2k + 1] << 16), Q6_K's -32 times the sum of each 16. */
 typedef struct {
     int32_t q[64][KX_LANES];
     float d[KX_LANES];
@@ -643,7 +643,7 @@ static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int
         o->d[i] = a->d;
         for (int k = 0; k < 4; k++)
             o->halves[k][i] = (int32_t)((uint32_t)(uint16_t)a->halves[2 * k] | (uint32_t)(uint16_t)a->halves[2 * k + 1] << 16);
-        for (int g = 0; g < 16; g++) o->sums32[g][i] = 32 * a->sums[g];
+        for (int g = 0; g < 16; g++) o->sums32[g][i] = -32 * a->sums[g];
     }
 }
 
@@ -712,8 +712,10 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
             const int groups = q4 ? 8 : 16, per = q4 ? 8 : 4; /* dwords of a scale's group */
             for (int g = 0; g < groups; g++) {
                 /* Two accumulators a row (even and odd v): KX_NR chains of dpbusd alone wait on its latency. */
+                /* Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub) */
+                const __m256i start = q4 ? _mm256_setzero_si256() : _mm256_load_si256((const __m256i *)x->sums32[g]);
                 __m256i dot[KX_NR], odd[KX_NR];
-                for (int r = 0; r < KX_NR; r++) dot[r] = odd[r] = _mm256_setzero_si256();
+                for (int r = 0; r < KX_NR; r++) dot[r] = start, odd[r] = _mm256_setzero_si256();
                 for (int v = 0; v < per; v++) {
                     __m256i xv = _mm256_load_si256((const __m256i *)x->q[per * g + v]);
                     /* in a register: one load for the KX_NR dpbusd, not one each (the broadcasts load enough) */
@@ -724,10 +726,6 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
                     }
                 }
                 for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_add_epi32(dot[r], odd[r]);
-                if (!q4) {
-                    const __m256i offset = _mm256_load_si256((const __m256i *)x->sums32[g]);
-                    for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_sub_epi32(dot[r], offset);
-                }
                 for (int r = 0; r < KX_NR; r++) S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(dot[r], _mm256_set1_epi32(sc[r][g])));
             }
             const __m256 dx = _mm256_load_ps(x->d);
