@@ -711,8 +711,8 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
             for (int r = 0; r < KX_NR; r++) S[r] = _mm256_setzero_si256();
             const int groups = q4 ? 8 : 16, per = q4 ? 8 : 4; /* dwords of a scale's group */
             for (int g = 0; g < groups; g++) {
-                /* Two accumulators a row (even and odd v): KX_NR chains of dpbusd alone wait on its latency. */
-                /* Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub) */
+                /* Two accumulators a row (even and odd v): KX_NR chains of dpbusd alone wait on its latency.
+                 * Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub). */
                 const __m256i start = q4 ? _mm256_setzero_si256() : _mm256_load_si256((const __m256i *)x->sums32[g]);
                 __m256i dot[KX_NR], odd[KX_NR];
                 for (int r = 0; r < KX_NR; r++) dot[r] = start, odd[r] = _mm256_setzero_si256();
