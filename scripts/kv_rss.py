@@ -43,11 +43,10 @@ def main() -> None:
     engine = Engine(model, tokenizer, EngineConfig(speculate="off"), name=resolved.name, source=resolved)
     ids = tokenizer(Path(args.prompt_file).read_text())["input_ids"]
     engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
-    k = engine.kv.k[0]
-    pool = 2 * len(engine.kv.k) * k.numel() * k.element_size()
+    pool = engine.kv_bytes
     process = heap.process_memory()[0] >> 20
     released = sum(not b.resident for b in engine.blocks.blocks)
-    print(f"{len(ids)} prompt tokens; KV pool {pool >> 20} MB, {resident_mb(k.data_ptr(), pool)} MB resident "
+    print(f"{len(ids)} prompt tokens; KV pool {pool >> 20} MB, {resident_mb(engine.kv.k[0].data_ptr(), pool)} MB resident "
           f"({released} blocks released in sliding-window layers); process RSS {process} MB")
     engine.close()
 
