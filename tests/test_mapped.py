@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import mmap
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,7 @@ from tests.tiny_gguf import (
 )
 from tuichat.engine import mapped, quant
 from tuichat.engine.engine import Engine, EngineConfig
-from tuichat.engine.gguf_file import GGUFFile
+from tuichat.engine.gguf_file import HUGE_PAGE, GGUFFile
 from tuichat.engine.types import TuichatError
 
 F16, BF16 = 1, 30
@@ -530,6 +531,79 @@ def test_a_released_tensor_leaves_the_process_memory_and_still_reads_the_same(tm
         assert touched - resident_kb(path) >= (values.nbytes - 2 * mmap.PAGESIZE) // 1024
         assert np.array_equal(file.array("small"), np.arange(8))  # its neighbour's bytes are still there
         assert np.array_equal(file.array("big"), values)
+    finally:
+        file.close()
+
+
+def _small_folios(path: Path) -> None:
+    """The page cache holds `path` in 4 KB folios: dropped, then read a page at a time in random order."""
+    import os
+    import random
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages (a file just written) would stay
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        pages = list(range(0, os.fstat(fd).st_size, mmap.PAGESIZE))
+        random.Random(0).shuffle(pages)
+        for offset in pages:
+            os.pread(fd, 1, offset)
+    finally:
+        os.close(fd)
+
+
+def _fresh_read_gets_2_mb_pages(path: Path) -> bool:
+    """Whether `path`, dropped from the page cache and read through a map advised MADV_HUGEPAGE, is mapped in
+    2 MB pages anywhere (/proc/self/smaps' FilePmdMapped)."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+        view = np.frombuffer(mapped, np.uint8)
+        int(view[::mmap.PAGESIZE].sum())
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        start = f"{view.ctypes.data:x}-"
+        at = next(i for i, line in enumerate(lines) if line.startswith(start))
+        pmd = next(line for line in lines[at + 1:] if line.startswith("FilePmdMapped:"))
+        del view
+        return int(pmd.split()[1]) > 0
+    finally:
+        mapped.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="2 MB pages of a file's map: Linux's transparent huge pages")
+def test_the_tensors_read_in_place_end_up_in_2_mb_pages_and_no_others_are_mapped(tmp_path):
+    """settle_pages maps the in-place tensors in 2 MB pages even where the page cache held the file in 4 KB
+    folios (read back through the map advised MADV_HUGEPAGE), and maps nothing of a tensor not named (one the
+    load copied and released). Skipped where the file read again through such a map still gets no 2 MB pages."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "big.gguf"
+    served = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)  # 16 MiB: 8 huge pages
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("served", served)
+    writer.add_tensor("copied", np.ones((1024, 2048), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    whole = served.nbytes // HUGE_PAGE * HUGE_PAGE - HUGE_PAGE  # the tensor's 2 MB pages but a part one at each end
+    if not _fresh_read_gets_2_mb_pages(path):
+        pytest.skip("this file system or kernel gives a file's map no 2 MB pages")
+    _small_folios(path)
+    file = GGUFFile(path)
+    try:
+        assert file.settle_pages(["served"]) >= whole
+        assert resident_kb(path) * 1024 < served.nbytes + 2 * HUGE_PAGE  # nothing of "copied" beyond a shared page
+        assert np.array_equal(file.array("served"), served)
     finally:
         file.close()
 

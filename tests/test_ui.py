@@ -448,10 +448,11 @@ async def test_engine_panel_and_meter_show_exactly_what_the_backend_reports():
         backend.stats = lambda model=None: EngineStats(model="m", weights=f"bfloat16 ({why})", weight_bytes=6 * 2**20)
         await until(lambda: shown("model").endswith(f"\nbfloat16 weights · 6 MB a step\n{why}"), what="why not int8")
         backend.stats = lambda model=None: EngineStats(model="m", layers="C", weights="Q4_K, Q6_K", weight_bytes=763 * 2**20,
-                                                       mapped_bytes=718 * 2**20, rss_bytes=int(1.73 * 2**30),
-                                                       peak_rss_bytes=int(1.8 * 2**30))
+                                                       mapped_bytes=718 * 2**20, huge_page_bytes=754 * 2**20,
+                                                       rss_bytes=int(1.73 * 2**30), peak_rss_bytes=int(1.8 * 2**30))
         await until(lambda: shown("model").endswith("\nQ4_K, Q6_K weights · 763 MB a step\n718 MB read in place from "
-                                                    "the file\nRSS 1.73 GB · peak 1.80 GB"), what="memory")
+                                                    "the file, 754 MB of it in 2 MB pages\nRSS 1.73 GB · peak 1.80 GB"),
+                    what="memory")
         await pilot.press("ctrl+b")
         assert not panel.display
 

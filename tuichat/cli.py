@@ -231,6 +231,7 @@ async def _ask(model: str, options: EngineOptions, messages, chosen: dict, as_js
             "weights": stats.weights,  # what --quant gave: "Q8_0", or "bfloat16 (int8 needs the C layers: why)"
             "weight_mb": round(stats.weight_bytes / 2**20, 1),
             "mapped_mb": round(stats.mapped_bytes / 2**20, 1) if local else None,  # of those, read in place from the file
+            "huge_page_mb": round(stats.huge_page_bytes / 2**20, 1) if local else None,  # of the file, mapped in 2 MB pages
             "kv_cache_mb": round(stats.kv_bytes / 2**20, 1) if local else None,
             "load_s": round(stats.load_s, 2) if local else None,
             "rss_mb": round(stats.rss_bytes / 2**20, 1) if local else None,  # this process, after the reply

@@ -92,6 +92,7 @@ class _Loaded:
     sampling: dict  # what the model's generation config recommends (read once, at load)
     load_s: float  # its load, from the weights' first byte to the engine ready
     mapped_bytes: int  # of its weights read in place from the file
+    huge_page_bytes: int  # of the file, mapped in 2 MB pages at the load's end
     stop: tuple[str, ...] = ()  # added to every reply's stop strings (ResolvedModel.stop)
     leases: int = 0  # streams using the engine now: an engine with leases is never evicted
 
@@ -241,7 +242,8 @@ class LocalBackend:
                     self._loaded[resolved.name] = _Loaded(
                         engine, tokenizer, str(engine.device), str(engine.dtype).removeprefix("torch."), time.monotonic(),
                         recommended_sampling(weights), time.monotonic() - started,
-                        getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0), resolved.stop,
+                        getattr(getattr(weights, "tuichat_mapped", None), "in_place_bytes", 0),
+                        getattr(getattr(weights, "tuichat_mapped", None), "huge_page_bytes", 0), resolved.stop,
                     )
                 return resolved.name  # the pause's end settles: the load's transient buffers back to the system
 
@@ -528,6 +530,7 @@ class LocalBackend:
             peak_rss_bytes=peak,
             load_s=loaded.load_s,
             mapped_bytes=loaded.mapped_bytes,
+            huge_page_bytes=loaded.huge_page_bytes,
             kv_bytes=engine.kv_bytes,
             kv_disk_bytes=engine.kv_disk.total if engine.kv_disk is not None else 0,
             kv_disk_reads=engine.kv_disk.read_blocks if engine.kv_disk is not None else 0,

@@ -106,6 +106,7 @@ class EngineStats:
     peak_rss_bytes: int = 0
     load_s: float = 0.0  # how long the model took to load, kernels' build excluded
     mapped_bytes: int = 0  # weights read in place from the model's file (a GGUF's map: no copy)
+    huge_page_bytes: int = 0  # of the file, what the process mapped in 2 MB pages as it loaded
     kv_bytes: int = 0  # the KV cache's pool
     kv_disk_bytes: int = 0  # its second tier: blocks kept in the cache dir (kv_disk.py)
     kv_disk_reads: int = 0  # blocks read back from there since the model loaded, not computed again

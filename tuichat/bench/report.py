@@ -116,7 +116,8 @@ def _header(result: dict[str, Any]) -> list[RenderableType]:
             lines.append(Text(f"  {who} {f['weight_bytes'] / 1e6:,.0f} MB ({f['weights']}) = "
                               f"{_fmt(f['decode_step_ms'], 2)} ms a step ({_fmt(f['decode_tokens_per_s'], 0)} tok/s)"))
     if (m := result.get("memory", {}).get("tuichat")) is not None:
-        in_place = f" · {m['mapped_mb']:,.0f} MB read in place from the file" if m.get("mapped_mb") else ""
+        in_place = (f" · {m['mapped_mb']:,.0f} MB read in place from the file, {m.get('huge_page_mb') or 0:,.0f} MB of the "
+                    f"file mapped in 2 MB pages") if m.get("mapped_mb") else ""
         lines.append(Text(f"  tuichat: loaded in {m['load_s']:.1f} s{in_place} (in the bench's process; "
                           "its RSS alone: --peers tuichat_serve)"))
     for who, m in (("tuichat serve", result.get("memory", {}).get("tuichat_serve")),

@@ -576,7 +576,8 @@ def run_bench(settings: BenchSettings, progress_stream: TextIO | None = None, sh
         result["memory"] = {name: {"ready_s": peer.ready_s, **(peer.memory() or {})}
                             for name, peer in (("llama_server", run.llama), ("tuichat_serve", run.serve)) if peer is not None}
         if run.latest is not None:  # in this process, beside the peers: its load time, not an RSS of its own
-            result["memory"]["tuichat"] = {"load_s": run.latest.load_s, "mapped_mb": run.latest.mapped_bytes / 2**20}
+            result["memory"]["tuichat"] = {"load_s": run.latest.load_s, "mapped_mb": run.latest.mapped_bytes / 2**20,
+                                           "huge_page_mb": run.latest.huge_page_bytes / 2**20}
         if run.llama is not None:
             result["versions"]["llama_server"] = run.llama.build
             result["llama_server"] = run.llama.command

@@ -19,7 +19,8 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from tuichat.engine.types import TuichatError
 _NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRUCT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,42 @@ class GGUFFile:
         if end > start:
             self._maps[info.part].madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def settle_pages(self, names: Iterable[str]) -> int:
+        """Map tensors `names` (those read in place) now, and return how many bytes of the file this process maps
+        in 2 MB pages. A step streams every weight read in place, and on these VMs a TLB miss every 4 KB costs a
+        fifth of the bandwidth (docs/design/kernels.md). The map is advised MADV_HUGEPAGE, but the page cache may
+        already hold the file in small folios (read some other way before), which no advice changes: those pages
+        are then dropped (posix_fadvise DONTNEED; the kernel keeps any another process maps) and read again
+        through this map, as 2 MB folios. Linux only; elsewhere, or where the file system gives no large folios, 0."""
+        if sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return 0
+        huge = 0
+        for part, (path, mapped) in enumerate(zip(self.paths, self._maps)):
+            view = np.frombuffer(mapped, np.uint8)
+            if view.ctypes.data % HUGE_PAGE:  # a 2 MB page must start where a 2 MB of the file does
+                continue
+            pages = sorted({page for info in (self.tensors[name] for name in names) if info.part == part and info.nbytes
+                            for page in range(info.offset // HUGE_PAGE, (info.offset + info.nbytes - 1) // HUGE_PAGE + 1)
+                            if (page + 1) * HUGE_PAGE <= len(view)})
+            if not pages:
+                continue
+            at = np.array(pages, np.int64) * HUGE_PAGE
+            int(view[at].sum())  # a fault in each 2 MB maps it whole where the page cache has it as one folio
+            mapped_huge = _pmd_mapped(view.ctypes.data)
+            if mapped_huge < len(pages) * HUGE_PAGE // 2:
+                with contextlib.suppress(OSError):
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        for first, count in _runs(pages):
+                            mapped.madvise(mmap.MADV_DONTNEED, first * HUGE_PAGE, count * HUGE_PAGE)  # this process's hold
+                            os.posix_fadvise(fd, first * HUGE_PAGE, count * HUGE_PAGE, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+                int(view[at].sum())
+                mapped_huge = _pmd_mapped(view.ctypes.data)
+            huge += mapped_huge
+        return huge
+
     def header_hash(self) -> str:
         """sha256 of the metadata and tensor table: what the tokenizer and config are made from."""
         return hashlib.sha256(self._map[: self.header_bytes]).hexdigest()
@@ -247,6 +285,32 @@ class GGUFFile:
                 mapped.close()
             except BufferError:  # views remain: the map goes when they do
                 pass
+
+
+def _runs(pages: list[int]) -> Iterator[tuple[int, int]]:
+    """(first, count) of each run of consecutive numbers in the sorted `pages`."""
+    first = previous = pages[0]
+    for page in pages[1:]:
+        if page != previous + 1:
+            yield first, previous + 1 - first
+            first = page
+        previous = page
+    yield first, previous + 1 - first
+
+
+def _pmd_mapped(address: int) -> int:
+    """Bytes of the file map at `address` that this process maps in 2 MB pages (FilePmdMapped in its smaps)."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            inside = False
+            for line in smaps:
+                if "-" in line.split(" ", 1)[0]:
+                    inside = int(line.split("-", 1)[0], 16) == address
+                elif inside and line.startswith("FilePmdMapped:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _gguf_version() -> str:

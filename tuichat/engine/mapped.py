@@ -88,6 +88,7 @@ class Mapped:
     exact: dict[str, torch.Tensor] = field(default_factory=dict)
     embedding: MappedEmbedding | None = None
     in_place_bytes: int = 0  # of the linears read from the map (the rest are copies in memory)
+    huge_page_bytes: int = 0  # of the file, what this process maps in 2 MB pages once loaded (GGUFFile.settle_pages)
 
 
 def gguf_model_type(path: str | Path) -> str | None:
@@ -192,6 +193,7 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         permuted = file.architecture in _PERMUTED_QK
+        in_place: list[str] = []
         for module_name in quant._linears(model):
             gguf_name = tensor(module_name)
             if module_name == "lm_head" and gguf_name is None:
@@ -214,6 +216,7 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
             mapped.packed[module_name] = weight
             if weight.format in quant.IN_PLACE and rows is None:
                 mapped.in_place_bytes += weight.bytes
+                in_place.append(gguf_name)
         for module_name, module in model.named_modules():
             if module_name.endswith("norm") and hasattr(module, "weight"):
                 gguf_name = tensor(module_name)
@@ -237,6 +240,7 @@ def load(path: str | Path, kernel, cache: Path | None, with_tokenizer: bool = Tr
         left = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
         if left:  # a tensor this family has that the mapping above does not know
             raise TuichatError(f"tuichat cannot serve {file.path.name} from the file: nothing fills {', '.join(left[:4])}")
+        mapped.huge_page_bytes = file.settle_pages(in_place)
         model.tuichat_mapped = mapped
         model.eval()
         return model, tokenizer

@@ -371,6 +371,7 @@ class EnginePanel(Vertical):
                 f"\n{weights} weights · {stats.weight_bytes / 2**20:.0f} MB a step" if weights else "",
                 f"\n{why_not_quantized}" if why_not_quantized else "",  # --quant int8 where the C layers don't run
                 f"\n{stats.mapped_bytes / 2**20:.0f} MB read in place from the file" if stats.mapped_bytes else "",
+                f", {stats.huge_page_bytes / 2**20:.0f} MB of it in 2 MB pages" if stats.mapped_bytes else "",
                 f"\nRSS {stats.rss_bytes / 2**30:.2f} GB · peak {stats.peak_rss_bytes / 2**30:.2f} GB" if stats.rss_bytes else "",
             )
         )

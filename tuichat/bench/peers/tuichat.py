@@ -59,7 +59,7 @@ class _Tuichat:
         stats = self.backend.stats(self.name)
         self.kernels = {"decode_matmul": stats.matmul, "decode_layers": stats.layers}
         self.weights, self.weight_bytes = stats.weights, stats.weight_bytes  # what a decode step reads
-        self.load_s, self.mapped_bytes = stats.load_s, stats.mapped_bytes
+        self.load_s, self.mapped_bytes, self.huge_page_bytes = stats.load_s, stats.mapped_bytes, stats.huge_page_bytes
         asyncio.run(stream_once(self.backend, "warmup", [Message("user", WARMUP_QUESTION)], SamplingParams(max_tokens=4)))
         return self
 
