@@ -6,18 +6,28 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 
 class BandwidthProbe:
     """Sums over a buffer allocated once: the bandwidth at this moment, to sample between a scenario's
-    requests. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
+    requests. On the CPU the buffer is in 2 MB pages where the system gives them: 4 KB ones read a fifth slower
+    on these VMs (docs/design/kernels.md), which would put the floor under what the memory gives. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
     compared with the floor at the bandwidth measured around its own requests, not at the run's best moment."""
 
     def __init__(self, device, megabytes: int = 512) -> None:
         import torch
 
         self.device = device
-        self.buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
-        self.buffer.sum().item()  # faults the pages in
+        count = megabytes * 2**20 // 4
+        if device.type == "cpu":  # in 2 MB pages where Linux gives them, as the weights tuichat reads in place
+            from tuichat.engine.heap import WeightArena
+
+            self.buffer = torch.from_numpy(WeightArena().array((count,), np.float32))
+            self.buffer.fill_(1.0)  # faults the pages in
+        else:
+            self.buffer = torch.ones(count, dtype=torch.float32, device=device)
+        self.buffer.sum().item()
 
     def sample(self, reads: int = 3) -> float:
         """Bytes/s: the best of a few reads of the buffer (on a fresh thread the first read runs well below what
