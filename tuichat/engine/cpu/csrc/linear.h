@@ -83,6 +83,9 @@ enum { FMT_Q4_K = 12, FMT_Q6_K = 14 };  /* ggml's type numbers */
 int kquant_format(int format);
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32);
+int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
+                        const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
+                        long y_stride, int threads, int f32);
 
 /* -- the quantized paths, by instruction set: each says whether it takes a shape (0 where the build lacks it) -- */
 /* linear_quant.c: any format and shape, in fp32; the dispatch over the paths below. */

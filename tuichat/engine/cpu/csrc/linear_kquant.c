@@ -818,3 +818,49 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     }
     return 0;
 }
+
+/* Up to KQ_MR input rows (a decode) against several K-quant weights of the same input width side by side (a
+ * file's separate q, k and v, or gate and up: y's row holds their outputs one after another), in one parallel
+ * region: the inputs quantized once per order the parts need, all the parts' tiles shared out as one loop.
+ * Part by part, each small linear paid a region of its own and its threads' uneven finish. Each output's
+ * arithmetic is kquant_linear's. -1 for what it does not take (the caller goes part by part). */
+int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
+                        const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
+                        long y_stride, int threads, int f32) {
+    enum { MAX_PARTS = 4 };
+    if (M < 1 || M > KQ_MR || parts < 1 || parts > MAX_PARTS || K % QK || K / QK > KQ_MAX_BLOCKS) return -1;
+    const int blocks = K / QK;
+    int first[MAX_PARTS + 1] = {0}, orders = 0; /* first[i]: part i's first tile in the shared loop */
+    for (int i = 0; i < parts; i++) {
+        if (!kquant_format(formats[i]) || sizes[i] % KQ_NR) return -1;
+        first[i + 1] = first[i] + sizes[i] / KQ_NR;
+        orders |= formats[i] == FMT_Q4_K ? 1 : 2;
+    }
+    const size_t one = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, 2 * one);
+    if (!memory) return -2;
+    q8_block *xq[2] = {(q8_block *)memory, (q8_block *)(memory + one)}; /* in Q4_K's order, in the natural one */
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < 2 * M; i++)
+            if (orders & (1 << (i / M))) quantize_row(x, f32, (long)(i % M) * x_stride, K, i < M, xq[i / M] + (long)(i % M) * blocks, 1);
+        #pragma omp for schedule(static) nowait
+        for (int t = 0; t < first[parts]; t++) {
+            int i = 0, at = 0;
+            while (t >= first[i + 1]) at += sizes[i++];
+            const int q4 = formats[i] == FMT_Q4_K;
+            const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+            const uint16_t *b = bias ? bias + at : NULL;
+            char *into = (char *)y + (long)at * (f32 ? 4 : 2);
+            const int n0 = (t - first[i]) * KQ_NR;
+            switch (M) { /* the row count a constant in each copy */
+                case 1: kquant_tile(weights[i], formats[i], row_bytes, blocks, xq[!q4], b, into, y_stride, n0, 0, 1, f32); break;
+                case 2: kquant_tile(weights[i], formats[i], row_bytes, blocks, xq[!q4], b, into, y_stride, n0, 0, 2, f32); break;
+                case 3: kquant_tile(weights[i], formats[i], row_bytes, blocks, xq[!q4], b, into, y_stride, n0, 0, 3, f32); break;
+                default: kquant_tile(weights[i], formats[i], row_bytes, blocks, xq[!q4], b, into, y_stride, n0, 0, 4, f32); break;
+            }
+        }
+    }
+    return 0;
+}
