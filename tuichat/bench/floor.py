@@ -11,9 +11,10 @@ import numpy as np
 
 class BandwidthProbe:
     """Sums over a buffer allocated once: the bandwidth at this moment, to sample between a scenario's
-    requests. On the CPU the buffer is in 2 MB pages where the system gives them: 4 KB ones read a fifth slower
-    on these VMs (docs/design/kernels.md), which would put the floor under what the memory gives. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
-    compared with the floor at the bandwidth measured around its own requests, not at the run's best moment."""
+    requests. This machine's bandwidth swings by 2x within a run as its neighbours come and go, so a TPOT is
+    compared with the floor at the bandwidth measured around its own requests, not at the run's best moment.
+    On the CPU the buffer is in 2 MB pages where the system gives them, as tuichat's weights are: 4 KB ones read
+    a fifth slower on these VMs (docs/design/kernels.md), a floor slower than what the memory gives."""
 
     def __init__(self, device, megabytes: int = 512) -> None:
         import torch
