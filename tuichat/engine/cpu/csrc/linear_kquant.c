@@ -159,6 +159,30 @@ static inline __m128i q4_k_scales_v(const uint8_t *s) {
     return _mm_unpacklo_epi32(a, _mm_or_si128(b, c));
 }
 
+/* q4_k_scales_v of four super-blocks one after another (at s, 144 bytes apart), a 128-bit lane each: one
+ * decode for the four, where a one-row pass is bound by its instructions. */
+static inline __m512i q4_k_scales_v4(const uint8_t *s) {
+    __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)s));
+    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + Q4_K_BYTES)), 1);
+    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + 2 * Q4_K_BYTES)), 2);
+    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + 3 * Q4_K_BYTES)), 3);
+    const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x3f3f3f3f));
+    const __m512i b = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(x, 0xaa), _mm512_set4_epi32(0, 0, 4, 0)),
+                                       _mm512_set1_epi32(0x0f0f0f0f));
+    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(x, 2), _mm512_set1_epi32(0x30303030));
+    return _mm512_unpacklo_epi32(a, _mm512_or_si512(b, c));
+}
+
+/* 128-bit lane i of v (a constant once the caller's loop is unrolled: the instruction wants an immediate). */
+static inline __attribute__((always_inline)) __m128i lane_of(__m512i v, int i) {
+    switch (i) {
+        case 0: return _mm512_castsi512_si128(v);
+        case 1: return _mm512_extracti32x4_epi32(v, 1);
+        case 2: return _mm512_extracti32x4_epi32(v, 2);
+        default: return _mm512_extracti32x4_epi32(v, 3);
+    }
+}
+
 /* A super-block's 256 unsigned weights (4 vectors) times its 256 int8 inputs, each pair sum times its scale
  * (sv: int16, lanes as the weights'): 16 int32 lanes whose sum is the block's scaled dot product. */
 static inline __m512i scaled_dots(const __m512i wv[4], const __m512i sv[4], const int8_t *q) {
@@ -200,15 +224,14 @@ typedef struct {
 
 /* Super-block b of weight row `row`: each input row's S as 16 lanes to sum (and Q4_K's Ms as 4), its header. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
-                                                             const int mr, __m512i *sums, __m128i *msums,
-                                                             uint32_t *head) {
+                                                             const int mr, const __m128i both, __m512i *sums,
+                                                             __m128i *msums, uint32_t *head) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const uint8_t *blk = row + (long)b * Q4_K_BYTES;
     _mm_prefetch((const char *)blk + KQ_AHEAD, KQ_HINT);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 64, KQ_HINT);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 128, KQ_HINT);
     memcpy(head, blk, 4);
-    const __m128i both = q4_k_scales_v(blk + 4);
     const __m512i scales = _mm512_broadcast_i32x4(both);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
     const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
@@ -261,10 +284,11 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
     for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
         __m512i s[KQ_MR], ab[KQ_MR], cd[KQ_MR];
         __m128i ms[KQ_MR], msa[KQ_MR], msb[KQ_MR];
+        const __m512i four = q4 ? q4_k_scales_v4(row + (long)b * Q4_K_BYTES + 4) : _mm512_setzero_si512();
         for (int i = 0; i < KQ_GROUP; i++) {
             __m512i t[KQ_MR];
             __m128i mt[KQ_MR];
-            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t, mt, &u->head[r][b + i]);
+            if (q4) q4_k_block(row, b + i, xq, blocks, mr, lane_of(four, i), t, mt, &u->head[r][b + i]);
             else q6_k_block(row, b + i, xq, blocks, mr, t, &u->head[r][b + i]);
             for (int m = 0; m < mr; m++) {
                 if (i % 2 == 0) s[m] = t[m];
@@ -284,7 +308,7 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
     for (; b < blocks; b++) {
         __m512i t[KQ_MR];
         __m128i mt[KQ_MR];
-        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &u->head[r][b]);
+        if (q4) q4_k_block(row, b, xq, blocks, mr, q4_k_scales_v(row + (long)b * Q4_K_BYTES + 4), t, mt, &u->head[r][b]);
         else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
         for (int m = 0; m < mr; m++) {
             u->S[m][r][b] = _mm512_reduce_add_epi32(t[m]);
