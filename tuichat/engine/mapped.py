@@ -158,8 +158,9 @@ def packed_weight(file: GGUFFile, name: str, kernel, rows: np.ndarray | None, ar
             break
         except ValueError:  # a layout these kernels do not take: the next, or bf16
             continue
-    else:
-        packed = PackedWeight.of(_to_bf16(_float32(blocks, qtype)))
+    else:  # bf16 in the arena too: a step streams it as it does the blocks
+        values = _to_bf16(_float32(blocks, qtype)).view(torch.int16).numpy()
+        packed = PackedWeight.of(torch.from_numpy(arena.copy(values)).view(torch.bfloat16))
     file.release(name)  # served from the copy: the file's bytes need not stay resident beside it
     return packed
 

@@ -119,7 +119,7 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
     }
 }
 
-#if defined(__AVX512BW__)
+#if defined(KQ_VECTOR)
 #include <immintrin.h>
 /* A decode streams each thread's rows from DRAM one after another: asking for the bytes this far ahead keeps
  * enough loads in flight. Into L2 (T2): into L1 measured slower, most likely because those prefetches hold the
@@ -127,15 +127,36 @@ static void quantize_row(const void *x, int f32, long offset, int K, int q4, q8_
 #define KQ_AHEAD 8192
 #define KQ_HINT _MM_HINT_T2
 
+static inline int hsum4(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
+}
+
+/* Q4_K's 12 bytes of scales and minimums (at s; 16 bytes are read) as one vector: bytes 0-7 the eight 6-bit scales,
+ * 8-15 the eight minimums (ggml's get_scale_min_k4, all sixteen at once). */
+static inline __m128i q4_k_scales_v(const uint8_t *s) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* dwords u0 u1 u2 */
+    const __m128i a = _mm_and_si128(x, _mm_set1_epi32(0x3f3f3f3f));
+    const __m128i b = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(x, 0xaa), _mm_set_epi32(0, 0, 4, 0)), _mm_set1_epi32(0x0f0f0f0f));
+    const __m128i c = _mm_and_si128(_mm_srli_epi32(x, 2), _mm_set1_epi32(0x30303030));
+    return _mm_unpacklo_epi32(a, _mm_or_si128(b, c));
+}
+
+#define KQ_GROUP 4 /* super-blocks whose sums are reduced together */
+
+/* A tile's exact integers, kept until its fmas: per input row, weight row and super-block S (and Q4_K's Ms), and
+ * each super-block's fp16 d (and dmin) as one dword. The fmas then run on the tile's four weight rows at once. */
+typedef struct {
+    int32_t S[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
+    int32_t Ms[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
+    uint32_t head[KQ_NR][KQ_MAX_BLOCKS];
+} kq_sums;
+
+#if defined(__AVX512BW__)
 /* Index vectors for vpermw: each of a vector's four groups of 8 int16 lanes (the pair sums of 16 weights)
  * takes the scale of those 16 weights. */
 static inline __m512i lanes_of(int a, int b, int c, int d) {
     return _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c, b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
-}
-
-static inline int hsum4(__m128i v) {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
 }
 
 /* vpshufb masks for Q4_K's scales: in each 128-bit lane of vector j, eight int16 copies of the scale of its
@@ -148,16 +169,6 @@ static const int8_t q4_k_scale_bytes[4][64] __attribute__((aligned(64))) = {
 #undef LANES4
 #undef EIGHT
 #undef Z
-
-/* Q4_K's 12 bytes of scales and minimums (at s; 16 bytes are read) as one vector: bytes 0-7 the eight 6-bit scales,
- * 8-15 the eight minimums (ggml's get_scale_min_k4, all sixteen at once). */
-static inline __m128i q4_k_scales_v(const uint8_t *s) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)s); /* dwords u0 u1 u2 */
-    const __m128i a = _mm_and_si128(x, _mm_set1_epi32(0x3f3f3f3f));
-    const __m128i b = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(x, 0xaa), _mm_set_epi32(0, 0, 4, 0)), _mm_set1_epi32(0x0f0f0f0f));
-    const __m128i c = _mm_and_si128(_mm_srli_epi32(x, 2), _mm_set1_epi32(0x30303030));
-    return _mm_unpacklo_epi32(a, _mm_or_si128(b, c));
-}
 
 /* q4_k_scales_v of four super-blocks one after another (at s, 144 bytes apart), a 128-bit lane each: one
  * decode for the four, where a one-row pass is bound by its instructions. */
@@ -211,16 +222,6 @@ static inline __m128i sum4(__m512i ab, __m512i cd) {
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, 0xb1));
     return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), v));
 }
-
-#define KQ_GROUP 4 /* super-blocks whose sums are reduced together */
-
-/* A tile's exact integers, kept until its fmas: per input row, weight row and super-block S (and Q4_K's Ms), and
- * each super-block's fp16 d (and dmin) as one dword. The fmas then run on the tile's four weight rows at once. */
-typedef struct {
-    int32_t S[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
-    int32_t Ms[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
-    uint32_t head[KQ_NR][KQ_MAX_BLOCKS];
-} kq_sums;
 
 /* Super-block b of weight row `row`: each input row's S as 16 lanes to sum (and Q4_K's Ms as 4), its header. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
@@ -317,6 +318,128 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
     }
 }
 
+#else
+/* 256-bit builds (AVX2: most laptops, Zen 3): a vector per 32 weights, maddubs then madd by its scale, as ggml's
+ * AVX2 dot products do; each super-block's 8 lanes are reduced four blocks at a time (hadds). */
+#define Z -128
+#define SIXTEEN(s) s, Z, s, Z, s, Z, s, Z, s, Z, s, Z, s, Z, s, Z
+#define HALVES(a, b) a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, \
+                     b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1
+/* vpshufb masks: Q4_K's scale s (byte s) as sixteen int16; Q6_K's int16 scales 2t and 2t + 1 (of eight in each
+ * 128-bit lane) as eight copies in the low lane and eight in the high one. */
+static const int8_t q4_k_scale_mask[8][32] __attribute__((aligned(32))) = {
+    {SIXTEEN(0), SIXTEEN(0)}, {SIXTEEN(1), SIXTEEN(1)}, {SIXTEEN(2), SIXTEEN(2)}, {SIXTEEN(3), SIXTEEN(3)},
+    {SIXTEEN(4), SIXTEEN(4)}, {SIXTEEN(5), SIXTEEN(5)}, {SIXTEEN(6), SIXTEEN(6)}, {SIXTEEN(7), SIXTEEN(7)}};
+static const int8_t q6_k_scale_mask[4][32] __attribute__((aligned(32))) = {
+    {HALVES(0, 2)}, {HALVES(4, 6)}, {HALVES(8, 10)}, {HALVES(12, 14)}};
+#undef HALVES
+#undef SIXTEEN
+#undef Z
+
+/* Eight weight vectors (unsigned, 32 weights each) against an input row's 256 int8 in the same order, each pair
+ * sum times its scale (sv: int16): 8 int32 lanes whose sum is the block's scaled dot product. */
+static inline __attribute__((always_inline)) __m256i scaled_dots(const __m256i wv[8], const __m256i sv[8], const int8_t *q) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j))), sv[j]));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * j + 32))), sv[j + 1]));
+    }
+    return _mm256_add_epi32(a, b);
+}
+
+/* [sum of a, of b, of c, of d] */
+static inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i v = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+/* Super-block b of weight row `row`: each input row's S as 8 lanes to sum (and Q4_K's Ms as 4), its header. */
+static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
+                                                             const int mr, __m256i *sums, __m128i *msums, uint32_t *head) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const uint8_t *blk = row + (long)b * Q4_K_BYTES;
+    _mm_prefetch((const char *)blk + KQ_AHEAD, KQ_HINT);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 64, KQ_HINT);
+    _mm_prefetch((const char *)blk + KQ_AHEAD + 128, KQ_HINT);
+    memcpy(head, blk, 4);
+    const __m128i both = q4_k_scales_v(blk + 4);
+    const __m256i scales = _mm256_broadcastsi128_si256(both);
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
+    __m256i wv[8], sv[8];
+    for (int c = 0; c < 4; c++) { /* chunk c: input positions 4(c/2) + c%2 (low nibbles) and that + 2 (high) */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        const int p = 4 * (c / 2) + c % 2;
+        wv[p] = _mm256_and_si256(q, nib);
+        wv[p + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+    }
+    for (int p = 0; p < 8; p++) sv[p] = _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[Q4_K_ORDER[p]]));
+    for (int m = 0; m < mr; m++) {
+        const q8_block *a = xq + (long)m * blocks + b;
+        sums[m] = scaled_dots(wv, sv, a->q);
+        msums[m] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves));
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
+                                                             const int mr, __m256i *sums, uint32_t *head) {
+    const __m256i nib = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8(0x30);
+    const uint8_t *blk = row + (long)b * Q6_K_BYTES;
+    for (int line = 0; line < Q6_K_BYTES; line += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + line, KQ_HINT);
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    *head = dh;
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    __m256i wv[8], sv[8];
+    for (int h = 0; h < 2; h++) { /* weights 128h + 32t + l: ql byte 64h + 32(t % 2) + l, nibble t / 2; qh bits 2t */
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        wv[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high));
+        wv[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high));
+        wv[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nib), _mm256_and_si256(qh, high));
+        wv[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nib), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high));
+        const __m256i half = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
+        for (int t = 0; t < 4; t++) sv[4 * h + t] = _mm256_shuffle_epi8(half, _mm256_load_si256((const __m256i *)q6_k_scale_mask[t]));
+    }
+    for (int m = 0; m < mr; m++) {
+        const q8_block *a = xq + (long)m * blocks + b;
+        /* q - 32: 32 times each group's scale times its inputs' sum */
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
+        sums[m] = _mm256_sub_epi32(scaled_dots(wv, sv, a->q), offset);
+    }
+}
+
+/* Weight row r's super-blocks into u, KQ_GROUP at a time (each input row's sums of four blocks reduced together),
+ * the last ones alone. */
+static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, const int q4, int blocks,
+                                                         const q8_block *xq, const int mr, kq_sums *u, int r) {
+    int b = 0;
+    for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
+        __m256i t[KQ_GROUP][KQ_MR];
+        __m128i mt[KQ_GROUP][KQ_MR];
+        for (int i = 0; i < KQ_GROUP; i++) {
+            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t[i], mt[i], &u->head[r][b + i]);
+            else q6_k_block(row, b + i, xq, blocks, mr, t[i], &u->head[r][b + i]);
+        }
+        for (int m = 0; m < mr; m++) {
+            _mm_storeu_si128((__m128i *)&u->S[m][r][b], sum4(t[0][m], t[1][m], t[2][m], t[3][m]));
+            if (q4) _mm_storeu_si128((__m128i *)&u->Ms[m][r][b], _mm_hadd_epi32(_mm_hadd_epi32(mt[0][m], mt[1][m]), _mm_hadd_epi32(mt[2][m], mt[3][m])));
+        }
+    }
+    for (; b < blocks; b++) {
+        __m256i t[KQ_MR];
+        __m128i mt[KQ_MR];
+        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &u->head[r][b]);
+        else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
+        for (int m = 0; m < mr; m++) {
+            const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t[m]), _mm256_extracti128_si256(t[m], 1));
+            u->S[m][r][b] = hsum4(s);
+            if (q4) u->Ms[m][r][b] = hsum4(mt[m]);
+        }
+    }
+}
+#endif
+
 /* The 4 x 4 dwords at a[r][b..b+3] for r = 0..3 as four vectors, one a super-block (lane r: weight row r). */
 static inline void transpose4(const int32_t *a, long stride, __m128i out[4]) {
     const __m128i r0 = _mm_loadu_si128((const __m128i *)a), r1 = _mm_loadu_si128((const __m128i *)(a + stride));
@@ -380,7 +503,7 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, lo
     kq_fmas(&u, 0, blocks, xq, mr, acc);
 }
 #else
-/* Without 512-bit integer vectors: the same exact integer sums, one at a time. */
+/* Without AVX2: the same exact integer sums, one at a time (the reference the vector kernels match). */
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
                                                             const q8_block *xq, int mr, float *acc) {
     for (int b = 0; b < blocks; b++)

@@ -10,7 +10,7 @@
  * portable path is slower than the bf16 linear). */
 const char *pack_layout(int format, int K) {
     if (kquant_format(format)) {
-#if defined(__AVX512BW__)
+#if defined(KQ_VECTOR)
         if (K % 256 == 0 && K / 256 <= KQ_MAX_BLOCKS) return "in place";
 #endif
         return "none";
