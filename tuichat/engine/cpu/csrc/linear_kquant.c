@@ -336,15 +336,17 @@ static const int8_t q6_k_scale_mask[4][32] __attribute__((aligned(32))) = {
 #undef SIXTEEN
 #undef Z
 
-/* Eight weight vectors (unsigned, 32 weights each) against an input row's 256 int8 in the same order, each pair
- * sum times its scale (sv: int16): 8 int32 lanes whose sum is the block's scaled dot product. */
-static inline __attribute__((always_inline)) __m256i scaled_dots(const __m256i wv[8], const __m256i sv[8], const int8_t *q) {
-    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j += 2) {
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], _mm256_loadu_si256((const __m256i *)(q + 32 * j))), sv[j]));
-        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j + 1], _mm256_loadu_si256((const __m256i *)(q + 32 * j + 32))), sv[j + 1]));
+/* acc[m] += input row m's 64 products with two weight vectors (unsigned, 32 weights each: input positions p and
+ * p + 2), each pair sum times its scale (int16 lanes). */
+static inline __attribute__((always_inline)) void scaled_pair(__m256i lo, __m256i hi, __m256i slo, __m256i shi,
+                                                              const q8_block *xq, int blocks, int b, int p,
+                                                              const int mr, __m256i *acc) {
+    for (int m = 0; m < mr; m++) {
+        const int8_t *q = xq[(long)m * blocks + b].q + 32 * p;
+        const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q)), slo);
+        const __m256i c = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 64))), shi);
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(a, c));
     }
-    return _mm256_add_epi32(a, b);
 }
 
 /* [sum of a, of b, of c, of d] */
@@ -353,7 +355,8 @@ static inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
-/* Super-block b of weight row `row`: each input row's S as 8 lanes to sum (and Q4_K's Ms as 4), its header. */
+/* Super-block b of weight row `row`: each input row's S as 8 lanes to sum (and Q4_K's Ms as 4), its header. The
+ * weight vectors are made as the inputs need them: sixteen live at once would not fit AVX2's 16 registers. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
                                                              const int mr, __m256i *sums, __m128i *msums, uint32_t *head) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
@@ -365,19 +368,17 @@ static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row,
     const __m128i both = q4_k_scales_v(blk + 4);
     const __m256i scales = _mm256_broadcastsi128_si256(both);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
-    __m256i wv[8], sv[8];
-    for (int c = 0; c < 4; c++) { /* chunk c: input positions 4(c/2) + c%2 (low nibbles) and that + 2 (high) */
+    for (int m = 0; m < mr; m++) sums[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) { /* chunk c: sub-blocks 2c (low nibbles, input position p) and 2c + 1 (p + 2) */
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
         const int p = 4 * (c / 2) + c % 2;
-        wv[p] = _mm256_and_si256(q, nib);
-        wv[p + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+        scaled_pair(_mm256_and_si256(q, nib), _mm256_and_si256(_mm256_srli_epi16(q, 4), nib),
+                    _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[2 * c])),
+                    _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[2 * c + 1])),
+                    xq, blocks, b, p, mr, sums);
     }
-    for (int p = 0; p < 8; p++) sv[p] = _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[Q4_K_ORDER[p]]));
-    for (int m = 0; m < mr; m++) {
-        const q8_block *a = xq + (long)m * blocks + b;
-        sums[m] = scaled_dots(wv, sv, a->q);
-        msums[m] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)a->halves));
-    }
+    for (int m = 0; m < mr; m++)
+        msums[m] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)xq[(long)m * blocks + b].halves));
 }
 
 static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
@@ -389,52 +390,54 @@ static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row,
     memcpy(&dh, blk + 208, 2);
     *head = dh;
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-    __m256i wv[8], sv[8];
+    for (int m = 0; m < mr; m++) /* q - 32: minus 32 times each group's scale times its inputs' sum */
+        sums[m] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                   _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xq[(long)m * blocks + b].sums)), 5));
     for (int h = 0; h < 2; h++) { /* weights 128h + 32t + l: ql byte 64h + 32(t % 2) + l, nibble t / 2; qh bits 2t */
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        wv[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high));
-        wv[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high));
-        wv[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nib), _mm256_and_si256(qh, high));
-        wv[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nib), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high));
         const __m256i half = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
-        for (int t = 0; t < 4; t++) sv[4 * h + t] = _mm256_shuffle_epi8(half, _mm256_load_si256((const __m256i *)q6_k_scale_mask[t]));
-    }
-    for (int m = 0; m < mr; m++) {
-        const q8_block *a = xq + (long)m * blocks + b;
-        /* q - 32: 32 times each group's scale times its inputs' sum */
-        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)a->sums)), 5);
-        sums[m] = _mm256_sub_epi32(scaled_dots(wv, sv, a->q), offset);
+        for (int t = 0; t < 2; t++) { /* groups t and t + 2 of the half: input positions 4h + t and that + 2 */
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * t));
+            const __m256i qh = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)), 2 * t);
+            scaled_pair(_mm256_or_si256(_mm256_and_si256(ql, nib), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), nib), _mm256_and_si256(qh, high)),
+                        _mm256_shuffle_epi8(half, _mm256_load_si256((const __m256i *)q6_k_scale_mask[t])),
+                        _mm256_shuffle_epi8(half, _mm256_load_si256((const __m256i *)q6_k_scale_mask[t + 2])),
+                        xq, blocks, b, 4 * h + t, mr, sums);
+        }
     }
 }
 
-/* Weight row r's super-blocks into u, KQ_GROUP at a time (each input row's sums of four blocks reduced together),
- * the last ones alone. */
+/* Weight row r's super-blocks into u. One input row: four blocks' sums reduced together; more: each block's, its
+ * input rows' sums together (four blocks of four rows' would not fit the registers). */
 static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, const int q4, int blocks,
                                                          const q8_block *xq, const int mr, kq_sums *u, int r) {
     int b = 0;
-    for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
-        __m256i t[KQ_GROUP][KQ_MR];
-        __m128i mt[KQ_GROUP][KQ_MR];
-        for (int i = 0; i < KQ_GROUP; i++) {
-            if (q4) q4_k_block(row, b + i, xq, blocks, mr, t[i], mt[i], &u->head[r][b + i]);
-            else q6_k_block(row, b + i, xq, blocks, mr, t[i], &u->head[r][b + i]);
+    if (mr == 1)
+        for (; b + KQ_GROUP <= blocks; b += KQ_GROUP) {
+            __m256i t[KQ_GROUP];
+            __m128i mt[KQ_GROUP];
+            for (int i = 0; i < KQ_GROUP; i++) {
+                if (q4) q4_k_block(row, b + i, xq, blocks, 1, t + i, mt + i, &u->head[r][b + i]);
+                else q6_k_block(row, b + i, xq, blocks, 1, t + i, &u->head[r][b + i]);
+            }
+            _mm_storeu_si128((__m128i *)&u->S[0][r][b], sum4(t[0], t[1], t[2], t[3]));
+            if (q4) _mm_storeu_si128((__m128i *)&u->Ms[0][r][b], _mm_hadd_epi32(_mm_hadd_epi32(mt[0], mt[1]), _mm_hadd_epi32(mt[2], mt[3])));
         }
-        for (int m = 0; m < mr; m++) {
-            _mm_storeu_si128((__m128i *)&u->S[m][r][b], sum4(t[0][m], t[1][m], t[2][m], t[3][m]));
-            if (q4) _mm_storeu_si128((__m128i *)&u->Ms[m][r][b], _mm_hadd_epi32(_mm_hadd_epi32(mt[0][m], mt[1][m]), _mm_hadd_epi32(mt[2][m], mt[3][m])));
-        }
-    }
     for (; b < blocks; b++) {
         __m256i t[KQ_MR];
         __m128i mt[KQ_MR];
         if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &u->head[r][b]);
         else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
+        /* lane m: input row m's (rows past mr repeat row 0's and are not stored) */
+        const __m128i S = sum4(t[0], t[mr > 1], t[mr > 2 ? 2 : 0], t[mr > 3 ? 3 : 0]);
+        const __m128i Ms = q4 ? _mm_hadd_epi32(_mm_hadd_epi32(mt[0], mt[mr > 1]), _mm_hadd_epi32(mt[mr > 2 ? 2 : 0], mt[mr > 3 ? 3 : 0]))
+                              : _mm_setzero_si128();
+        int32_t s4[4], m4[4];
+        _mm_storeu_si128((__m128i *)s4, S);
+        _mm_storeu_si128((__m128i *)m4, Ms);
         for (int m = 0; m < mr; m++) {
-            const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t[m]), _mm256_extracti128_si256(t[m], 1));
-            u->S[m][r][b] = hsum4(s);
-            if (q4) u->Ms[m][r][b] = hsum4(mt[m]);
+            u->S[m][r][b] = s4[m];
+            if (q4) u->Ms[m][r][b] = m4[m];
         }
     }
 }
