@@ -727,6 +727,159 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
     }
 }
 
+#endif
+
+#if defined(KQ_VECTOR) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* The GEMM of 256-bit builds (AVX2, no VNNI), as the 512-bit one above but with a lane per weight row of 8: each
+ * super-block of 8 rows unpacked once (transposes) into vectors of 4 weights a row, each met by 4 inputs
+ * broadcast with maddubs. A sub-block's 8 products stay in int16 (Q4_K: 8 x 2 x 15 x 127 fits; Q6_K's two
+ * x 2 x 63 x 127), then one madd by the rows' scales: 9 multiplies per 32 x 8 products, where the row tiles pay
+ * 16. The same exact S and Ms, the same fmas in the same order: the same outputs as the row tiles. */
+#define KG_ROWS 8  /* weight rows per GEMM tile: a lane each */
+#define KG_MR 4    /* input rows per pass over an unpacked super-block */
+#define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
+#define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles */
+
+/* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (as the 512-bit
+ * GEMM's), the rows' scales as int16 pairs (sc | sc << 16: Q4_K per 32, Q6_K per 16), int16 pairs v[2k] |
+ * v[2k + 1] << 16 of Q4_K's minimums or Q6_K's scales, and d, -dmin. */
+typedef struct {
+    __m256i w[8][8];
+    __m256i sc[16];
+    __m256i mn[8];
+    __m256 d, ndmin;
+} kg_block;
+
+/* 32 bytes at `at` of each of 8 rows (row_bytes apart) as 8 vectors: vector v, lane r = the row's dword v. */
+static inline void transpose_8x8(const uint8_t *at, long row_bytes, __m256i out[8]) {
+    __m256i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i *)(at + i * row_bytes));
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]);
+            u[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
+        }
+    /* u[e] (rows 0-3) and u[4 + e] (rows 4-7): dword e in the low 128-bit lane, e + 4 in the high one */
+    for (int e = 0; e < 4; e++) {
+        out[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+        out[e + 4] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+    }
+}
+
+static inline __m256i byte_of(__m256i v, int k) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xff)); }
+static inline __m256i pair16(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+}
+/* Eight fp16 values, the low (or high) halves of v's dwords, as fp32. */
+static inline __m256 halves_of(__m256i v, int high) {
+    const __m256i h = high ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)row_bytes));
+    const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
+    __m256i v[8];
+    if (q4) {
+        const __m256i head = _mm256_i32gather_epi32((const int *)first, rows, 1);
+        const __m256i q0 = _mm256_i32gather_epi32((const int *)(first + 4), rows, 1);
+        const __m256i q1 = _mm256_i32gather_epi32((const int *)(first + 8), rows, 1);
+        const __m256i q2 = _mm256_i32gather_epi32((const int *)(first + 12), rows, 1);
+        u->d = halves_of(head, 0);
+        u->ndmin = _mm256_sub_ps(_mm256_setzero_ps(), halves_of(head, 1));
+        const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+        __m256i m[8];
+        for (int k = 0; k < 4; k++) {
+            const __m256i sc = _mm256_and_si256(byte_of(q0, k), six);
+            const __m256i sc4 = _mm256_or_si256(_mm256_and_si256(byte_of(q2, k), four),
+                                                _mm256_slli_epi32(_mm256_srli_epi32(byte_of(q0, k), 6), 4));
+            u->sc[k] = pair16(sc, sc);
+            u->sc[k + 4] = pair16(sc4, sc4);
+            m[k] = _mm256_and_si256(byte_of(q1, k), six);
+            m[k + 4] = _mm256_or_si256(_mm256_srli_epi32(byte_of(q2, k), 4),
+                                       _mm256_slli_epi32(_mm256_srli_epi32(byte_of(q1, k), 6), 4));
+        }
+        for (int k = 0; k < 4; k++) u->mn[k] = pair16(m[2 * k], m[2 * k + 1]);
+        for (int c = 0; c < 4; c++) {
+            transpose_8x8(first + 16 + 32 * c, row_bytes, v);
+            for (int j = 0; j < 8; j++) {
+                u->w[2 * c][j] = _mm256_and_si256(v[j], nib);
+                u->w[2 * c + 1][j] = _mm256_and_si256(_mm256_srli_epi32(v[j], 4), nib);
+            }
+        }
+        return;
+    }
+    /* Q6_K: the int8 scales (four dwords), d (the high half of the dword at 206: no read past the row) */
+    __m256i sc[16];
+    for (int k = 0; k < 4; k++) {
+        const __m256i four = _mm256_i32gather_epi32((const int *)(first + 192 + 4 * k), rows, 1);
+        for (int b = 0; b < 4; b++) sc[4 * k + b] = _mm256_srai_epi32(_mm256_slli_epi32(four, 24 - 8 * b), 24);
+    }
+    for (int g = 0; g < 16; g++) u->sc[g] = pair16(sc[g], sc[g]);
+    for (int k = 0; k < 8; k++) u->mn[k] = pair16(sc[2 * k], sc[2 * k + 1]);
+    u->d = halves_of(_mm256_i32gather_epi32((const int *)(first + 206), rows, 1), 1);
+    u->ndmin = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++) { /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
+        __m256i hi[8];
+        transpose_8x8(first + 128 + 32 * h, row_bytes, hi);
+        for (int half = 0; half < 2; half++) {
+            transpose_8x8(first + 64 * h + 32 * half, row_bytes, v);
+            for (int shift = 0; shift < 2; shift++) {
+                const int t = 2 * shift + half;
+                for (int j = 0; j < 8; j++)
+                    u->w[4 * h + t][j] = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi32(v[j], 4 * shift), nib),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi[j], 2 * t), two), 4));
+            }
+        }
+    }
+}
+
+static inline __m256i x_four(const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* Input rows against an unpacked super-block: each row's S and Ms, 8 weight rows' at once, and the two fmas of
+ * every output (out: 8 floats per input row). */
+static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
+                                                          const int mr, float *out) {
+    __m256i S[KG_MR], p[KG_MR];
+    for (int j = 0; j < mr; j++) S[j] = _mm256_setzero_si256();
+    for (int g = 0; g < (q4 ? 8 : 32); g++) { /* Q4_K: a sub-block; Q6_K: 8 of a group of 16's weights */
+        const int blk = q4 ? g : g / 4, v0 = q4 ? 0 : 2 * (g % 4), v1 = q4 ? 8 : v0 + 2;
+        const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
+        for (int v = v0; v < v1; v++) {
+            const __m256i w = u->w[blk][v];
+            for (int j = 0; j < mr; j++) {
+                const __m256i d = _mm256_maddubs_epi16(w, x_four(a[j]->q + at + 4 * v));
+                p[j] = v == v0 ? d : _mm256_add_epi16(p[j], d);
+                __asm__("" : "+x"(p[j])); /* one chain a row: GCC's tree of these adds spills the accumulators */
+            }
+        }
+        for (int j = 0; j < mr; j++) S[j] = _mm256_add_epi32(S[j], _mm256_madd_epi16(p[j], u->sc[q4 ? g : g / 2]));
+    }
+    for (int j = 0; j < mr; j++) {
+        const __m256 dx = _mm256_set1_ps(a[j]->d);
+        __m256 o = _mm256_loadu_ps(out + KG_ROWS * j);
+        __m256i ms = _mm256_setzero_si256();
+        for (int k = 0; k < (q4 ? 4 : 8); k++)
+            ms = _mm256_add_epi32(ms, _mm256_madd_epi16(u->mn[k], x_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
+        if (!q4) S[j] = _mm256_sub_epi32(S[j], _mm256_slli_epi32(ms, 5));
+        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[j]), _mm256_mul_ps(u->d, dx), o);
+        if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(u->ndmin, dx), o);
+        _mm256_storeu_ps(out + KG_ROWS * j, o);
+    }
+}
+#endif
+
+#if defined(KG_ROWS)
 static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const q8_block *xq, int M, int n0,
                     kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
@@ -745,23 +898,19 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const 
 #define KG_PASS(mr, m0)                                                             \
         do {                                                                        \
             for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
-            if (q4) kg_rows(u, 1, a, mr, out + 16L * (m0));                          \
-            else kg_rows(u, 0, a, mr, out + 16L * (m0));                             \
+            if (q4) kg_rows(u, 1, a, mr, out + (long)KG_ROWS * (m0));                          \
+            else kg_rows(u, 0, a, mr, out + (long)KG_ROWS * (m0));                             \
         } while (0)
         for (int m0 = 0; m0 < full; m0 += KG_MR) KG_PASS(KG_MR, m0);
         switch (M - full) {
             case 1: KG_PASS(1, full); break;
             case 2: KG_PASS(2, full); break;
             case 3: KG_PASS(3, full); break;
-            case 4: KG_PASS(4, full); break;
-            case 5: KG_PASS(5, full); break;
-            case 6: KG_PASS(6, full); break;
-            case 7: KG_PASS(7, full); break;
             default: break;
         }
 #undef KG_PASS
     }
-    for (int m = 0; m < M; m++) store_outputs(out + 16L * m, KG_ROWS, bias, y, (long)m * y_stride, n0, f32);
+    for (int m = 0; m < M; m++) store_outputs(out + (long)KG_ROWS * m, KG_ROWS, bias, y, (long)m * y_stride, n0, f32);
 }
 #endif
 
@@ -913,7 +1062,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const int lanes = 0;
     const size_t kx_bytes = 0;
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KG_ROWS)
     const int gemm = !lanes && M >= KG_MIN_M && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
@@ -943,7 +1092,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
             }
         } else
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KG_ROWS)
         if (gemm) {
             char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
             #pragma omp for schedule(static) nowait
