@@ -586,6 +586,7 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
+#define KG_MIN_M_Q6 KG_MIN_M
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
  * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
@@ -738,7 +739,8 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #define KG_ROWS 8  /* weight rows per GEMM tile: a lane each */
 #define KG_MR 4    /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
-#define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles */
+#define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
+#define KG_MIN_M_Q6 64 /* Q6_K's (its unpacking costs more: at 8 to 32 rows the row tiles measured faster) */
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (as the 512-bit
  * GEMM's), the rows' scales as int16 pairs (sc | sc << 16: Q4_K per 32, Q6_K per 16), int16 pairs v[2k] |
@@ -1063,7 +1065,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const size_t kx_bytes = 0;
 #endif
 #if defined(KG_ROWS)
-    const int gemm = !lanes && M >= KG_MIN_M && N % KG_ROWS == 0;
+    const int gemm = !lanes && M >= (q4 ? KG_MIN_M : KG_MIN_M_Q6) && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
