@@ -34,11 +34,11 @@ PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes wh
 # ids 100 + the GGUF type's.
 BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 106: 40, 107: 40, 112: 24, 113: 40, 114: 36}
 NAMES = {30: "bfloat16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 106: "Q5_0", 107: "Q5_1", 112: "Q4_K",
-         113: "Q5_K", 114: "Q6_K", 12: "Q4_K", 14: "Q6_K"}
+         113: "Q5_K", 114: "Q6_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 RECUT = {6: 106, 7: 107, 12: 112, 13: 113, 14: 114}  # GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: their re-cut ids
-# Q4_K and Q6_K as the file holds them (bytes per super-block of 256), where the kernels read them in place
-# (linear_kquant.c; a GGUF served from its map, engine/mapped.py).
-IN_PLACE = {12: 144, 14: 210}
+# Q4_K, Q5_K and Q6_K as the file holds them (bytes per super-block of 256), where the kernels read them in place
+# (linear_kquant.c: Q5_K on AVX2 builds only; a GGUF served from its map, engine/mapped.py).
+IN_PLACE = {12: 144, 13: 176, 14: 210}
 
 
 def row_bytes(format: int, in_features: int) -> int:

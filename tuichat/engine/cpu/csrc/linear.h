@@ -78,12 +78,16 @@ static inline int block_bytes(int format) {
 }
 
 /* -- K-quants in the file's own layout (linear_kquant.c): ggml's super-blocks of 256, row after row ------------ */
-enum { FMT_Q4_K = 12, FMT_Q6_K = 14 };  /* ggml's type numbers */
+enum { FMT_Q4_K = 12, FMT_Q5_K = 13, FMT_Q6_K = 14 };  /* ggml's type numbers */
 #define KQ_MAX_BLOCKS 128  /* super-blocks a row may have: K up to 32768 */
 /* The builds with a vector kernel for them (512-bit or AVX2) serve the K-quants in place; the others (no AVX2)
  * have only the scalar reference loops, slower than dequantizing to bf16. */
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define KQ_VECTOR 1
+/* Q5_K in place too where the 256-bit kernels are the ones built (512-bit builds re-cut it for their tiles). */
+#if !defined(__AVX512BW__)
+#define KQ_Q5_K 1
+#endif
 #endif
 int kquant_format(int format);
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,

@@ -4,6 +4,8 @@
  * Q4_K (144 bytes): fp16 d and dmin, 12 bytes of eight 6-bit scales and eight 6-bit minimums, then 128 bytes of
  * nibbles: byte i of each 32-byte chunk c holds weight 64c + i (low nibble) and 64c + 32 + i (high). A weight
  * is d * sc[s] * q - dmin * m[s], s its sub-block of 32.
+ * Q5_K (176 bytes, AVX2 builds only): Q4_K's header and scales, then 32 bytes of fifth bits (bit s of byte i:
+ * weight i of sub-block s), then Q4_K's 128 bytes of nibbles. The same arithmetic as Q4_K, q up to 31.
  * Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales (one per 16
  * weights), fp16 d. A weight is d * sc[g] * (q - 32).
  *
@@ -33,6 +35,7 @@
 
 #define QK 256
 #define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
 #define Q6_K_BYTES 210
 #define KQ_NR 4 /* weight rows per tile */
 #define KQ_MR 4 /* input rows per pass over a tile: NR x MR accumulators = the 16 sums store_tile takes */
@@ -51,7 +54,16 @@ typedef struct {
     int8_t q[QK];
 } q8_block;
 
-int kquant_format(int format) { return format == FMT_Q4_K || format == FMT_Q6_K; }
+int kquant_format(int format) {
+#if defined(KQ_Q5_K)
+    if (format == FMT_Q5_K) return 1;
+#endif
+    return format == FMT_Q4_K || format == FMT_Q6_K;
+}
+
+static inline long kq_block_bytes(int format) {
+    return format == FMT_Q4_K ? Q4_K_BYTES : format == FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
+}
 
 static inline float half_to_float(uint16_t h) {
     _Float16 f;
@@ -355,12 +367,19 @@ static inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
+/* Q5_K's fifth bits of sub-block s (bit s of each byte) as 16s. */
+static inline __m256i fifth_bits(__m256i qh, int s) {
+    const __m256i at = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
+}
+
 /* Super-block b of weight row `row`: each input row's S as 8 lanes to sum (and Q4_K's Ms as 4), its header. The
  * weight vectors are made as the inputs need them: sixteen live at once would not fit AVX2's 16 registers. */
 static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row, int b, const q8_block *xq, int blocks,
-                                                             const int mr, __m256i *sums, __m128i *msums, uint32_t *head) {
+                                                             const int mr, const int five, __m256i *sums, __m128i *msums,
+                                                             uint32_t *head) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
-    const uint8_t *blk = row + (long)b * Q4_K_BYTES;
+    const uint8_t *blk = row + (long)b * (five ? Q5_K_BYTES : Q4_K_BYTES);
     _mm_prefetch((const char *)blk + KQ_AHEAD, KQ_HINT);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 64, KQ_HINT);
     _mm_prefetch((const char *)blk + KQ_AHEAD + 128, KQ_HINT);
@@ -369,10 +388,16 @@ static inline __attribute__((always_inline)) void q4_k_block(const uint8_t *row,
     const __m256i scales = _mm256_broadcastsi128_si256(both);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
     for (int m = 0; m < mr; m++) sums[m] = _mm256_setzero_si256();
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) { /* chunk c: sub-blocks 2c (low nibbles, input position p) and 2c + 1 (p + 2) */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * c));
         const int p = 4 * (c / 2) + c % 2;
-        scaled_pair(_mm256_and_si256(q, nib), _mm256_and_si256(_mm256_srli_epi16(q, 4), nib),
+        __m256i lo = _mm256_and_si256(q, nib), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+        if (five) {
+            lo = _mm256_or_si256(lo, fifth_bits(qh, 2 * c));
+            hi = _mm256_or_si256(hi, fifth_bits(qh, 2 * c + 1));
+        }
+        scaled_pair(lo, hi,
                     _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[2 * c])),
                     _mm256_shuffle_epi8(scales, _mm256_load_si256((const __m256i *)q4_k_scale_mask[2 * c + 1])),
                     xq, blocks, b, p, mr, sums);
@@ -407,8 +432,9 @@ static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row,
     }
 }
 
-/* Weight row r's super-blocks into u. One input row: four blocks' sums reduced together; more: each block's, its
- * input rows' sums together (four blocks of four rows' would not fit the registers). */
+/* Weight row r's super-blocks into u (q4: 1 Q4_K, 2 Q5_K, 0 Q6_K). One input row: four blocks' sums reduced
+ * together; more: each block's, its input rows' sums together (four blocks of four rows' would not fit the
+ * registers). */
 static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, const int q4, int blocks,
                                                          const q8_block *xq, const int mr, kq_sums *u, int r) {
     int b = 0;
@@ -417,7 +443,7 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
             __m256i t[KQ_GROUP];
             __m128i mt[KQ_GROUP];
             for (int i = 0; i < KQ_GROUP; i++) {
-                if (q4) q4_k_block(row, b + i, xq, blocks, 1, t + i, mt + i, &u->head[r][b + i]);
+                if (q4) q4_k_block(row, b + i, xq, blocks, 1, q4 == 2, t + i, mt + i, &u->head[r][b + i]);
                 else q6_k_block(row, b + i, xq, blocks, 1, t + i, &u->head[r][b + i]);
             }
             _mm_storeu_si128((__m128i *)&u->S[0][r][b], sum4(t[0], t[1], t[2], t[3]));
@@ -426,7 +452,7 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
     for (; b < blocks; b++) {
         __m256i t[KQ_MR];
         __m128i mt[KQ_MR];
-        if (q4) q4_k_block(row, b, xq, blocks, mr, t, mt, &u->head[r][b]);
+        if (q4) q4_k_block(row, b, xq, blocks, mr, q4 == 2, t, mt, &u->head[r][b]);
         else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
         /* lane m: input row m's (rows past mr repeat row 0's and are not stored) */
         const __m128i S = sum4(t[0], t[mr > 1], t[mr > 2 ? 2 : 0], t[mr > 3 ? 3 : 0]);
@@ -505,6 +531,15 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, lo
     for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 0, blocks, xq, mr, &u, r);
     kq_fmas(&u, 0, blocks, xq, mr, acc);
 }
+
+#if defined(KQ_Q5_K)
+static inline __attribute__((always_inline)) void q5_k_tile(const uint8_t *w, long row_bytes, int blocks,
+                                                            const q8_block *xq, int mr, float *acc) {
+    kq_sums u;
+    for (int r = 0; r < KQ_NR; r++) kq_row(w + r * row_bytes, 2, blocks, xq, mr, &u, r);
+    kq_fmas(&u, 1, blocks, xq, mr, acc);
+}
+#endif
 #else
 /* Without AVX2: the same exact integer sums, one at a time (the reference the vector kernels match). */
 static inline __attribute__((always_inline)) void q4_k_tile(const uint8_t *w, long row_bytes, int blocks,
@@ -577,6 +612,9 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
                                                               int f32) {
     float acc[KQ_NR * KQ_MR] = {};
     if (format == FMT_Q4_K) q4_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
+#if defined(KQ_Q5_K)
+    else if (format == FMT_Q5_K) q5_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
+#endif
     else q6_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
     for (int m = 0; m < mr; m++) store_outputs(acc + m * KQ_NR, KQ_NR, bias, y, (long)(m0 + m) * y_stride, n0, f32);
 }
@@ -1054,8 +1092,8 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32) {
     if (M < 1 || M > 512 || K % QK || K / QK > KQ_MAX_BLOCKS || N % KQ_NR || !kquant_format(format)) return -1;
-    const int blocks = K / QK, q4 = format == FMT_Q4_K;
-    const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+    const int blocks = K / QK, q4 = format != FMT_Q6_K; /* Q4_K's (and Q5_K's) order of the inputs, minimums */
+    const long row_bytes = (long)blocks * kq_block_bytes(format);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     const int lanes = M >= KX_MIN_M && M <= KX_MAX_M, tiles = (M + KX_LANES - 1) / KX_LANES;
@@ -1065,7 +1103,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const size_t kx_bytes = 0;
 #endif
 #if defined(KG_ROWS)
-    const int gemm = !lanes && M >= (q4 ? KG_MIN_M : KG_MIN_M_Q6) && N % KG_ROWS == 0;
+    const int gemm = !lanes && format != FMT_Q5_K && M >= (q4 ? KG_MIN_M : KG_MIN_M_Q6) && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
@@ -1135,7 +1173,7 @@ int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, c
     for (int i = 0; i < parts; i++) {
         if (!kquant_format(formats[i]) || sizes[i] % KQ_NR) return -1;
         first[i + 1] = first[i] + sizes[i] / KQ_NR;
-        orders |= formats[i] == FMT_Q4_K ? 1 : 2;
+        orders |= formats[i] != FMT_Q6_K ? 1 : 2;
     }
     const size_t one = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
     char *memory = scratch_reserve(s, SCRATCH_LINEAR, 2 * one);
@@ -1150,8 +1188,8 @@ int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, c
         for (int t = 0; t < first[parts]; t++) {
             int i = 0, at = 0;
             while (t >= first[i + 1]) at += sizes[i++];
-            const int q4 = formats[i] == FMT_Q4_K;
-            const long row_bytes = (long)blocks * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+            const int q4 = formats[i] != FMT_Q6_K;
+            const long row_bytes = (long)blocks * kq_block_bytes(formats[i]);
             const uint16_t *b = bias ? bias + at : NULL;
             char *into = (char *)y + (long)at * (f32 ? 4 : 2);
             const int n0 = (t - first[i]) * KQ_NR;
