@@ -624,7 +624,9 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
+#define KG_MIN_M_Q5 KG_MIN_M
 #define KG_MIN_M_Q6 KG_MIN_M
+#define KG_Q5_K 0
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (Q4_K: sub-block s
  * from chunk s / 2's low or high nibbles; Q6_K: weights 32j...), the rows' int32 scales (Q4_K: per 32; Q6_K: per
@@ -778,7 +780,13 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #define KG_MR 4    /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
+#define KG_MIN_M_Q5 16 /* Q5_K's (five transposes: at 8 rows the row tiles measured faster, at 16 not) */
 #define KG_MIN_M_Q6 64 /* Q6_K's (its unpacking costs more: at 8 to 32 rows the row tiles measured faster) */
+#if defined(KQ_Q5_K)
+#define KG_Q5_K 1 /* Q5_K is read in place: this GEMM takes it too */
+#else
+#define KG_Q5_K 0
+#endif
 
 /* A tile's super-block unpacked: vectors of 4 weights (lane r: weight row r) per block of 32 (as the 512-bit
  * GEMM's), the rows' scales as int16 pairs (sc | sc << 16: Q4_K per 32, Q6_K per 16), int16 pairs v[2k] |
@@ -845,11 +853,21 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
                                        _mm256_slli_epi32(_mm256_srli_epi32(byte_of(q1, k), 6), 4));
         }
         for (int k = 0; k < 4; k++) u->mn[k] = pair16(m[2 * k], m[2 * k + 1]);
+#if KG_Q5_K
+        __m256i qh[8]; /* Q5_K's fifth bits, transposed as the nibbles are */
+        if (q4 == 2) transpose_8x8(first + 16, row_bytes, qh);
+#endif
         for (int c = 0; c < 4; c++) {
-            transpose_8x8(first + 16 + 32 * c, row_bytes, v);
+            transpose_8x8(first + (q4 == 2 ? 48 : 16) + 32 * c, row_bytes, v);
             for (int j = 0; j < 8; j++) {
                 u->w[2 * c][j] = _mm256_and_si256(v[j], nib);
                 u->w[2 * c + 1][j] = _mm256_and_si256(_mm256_srli_epi32(v[j], 4), nib);
+#if KG_Q5_K
+                if (q4 == 2) {
+                    u->w[2 * c][j] = _mm256_or_si256(u->w[2 * c][j], fifth_bits(qh[j], 2 * c));
+                    u->w[2 * c + 1][j] = _mm256_or_si256(u->w[2 * c + 1][j], fifth_bits(qh[j], 2 * c + 1));
+                }
+#endif
             }
         }
         return;
@@ -892,8 +910,11 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
                                                           const int mr, float *out) {
     __m256i S[KG_MR], p[KG_MR];
     for (int j = 0; j < mr; j++) S[j] = _mm256_setzero_si256();
-    for (int g = 0; g < (q4 ? 8 : 32); g++) { /* Q4_K: a sub-block; Q6_K: 8 of a group of 16's weights */
-        const int blk = q4 ? g : g / 4, v0 = q4 ? 0 : 2 * (g % 4), v1 = q4 ? 8 : v0 + 2;
+    /* g: Q4_K's sub-block; half of Q5_K's (four products of q up to 31 fit int16, eight do not); Q6_K: 8 of a
+     * group of 16's weights */
+    for (int g = 0; g < (q4 == 1 ? 8 : q4 == 2 ? 16 : 32); g++) {
+        const int blk = q4 == 1 ? g : q4 == 2 ? g / 2 : g / 4;
+        const int v0 = q4 == 1 ? 0 : q4 == 2 ? 4 * (g % 2) : 2 * (g % 4), v1 = q4 == 1 ? 8 : q4 == 2 ? v0 + 4 : v0 + 2;
         const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
         for (int v = v0; v < v1; v++) {
             const __m256i w = u->w[blk][v];
@@ -903,7 +924,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
                 __asm__("" : "+x"(p[j])); /* one chain a row: GCC's tree of these adds spills the accumulators */
             }
         }
-        for (int j = 0; j < mr; j++) S[j] = _mm256_add_epi32(S[j], _mm256_madd_epi16(p[j], u->sc[q4 ? g : g / 2]));
+        for (int j = 0; j < mr; j++) S[j] = _mm256_add_epi32(S[j], _mm256_madd_epi16(p[j], u->sc[q4 == 1 ? g : g / 2]));
     }
     for (int j = 0; j < mr; j++) {
         const __m256 dx = _mm256_set1_ps(a[j]->d);
@@ -920,25 +941,27 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #endif
 
 #if defined(KG_ROWS)
+/* q4: 1 Q4_K, 2 Q5_K (256-bit builds), 0 Q6_K. */
 static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const q8_block *xq, int M, int n0,
                     kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
     const int full = M / KG_MR * KG_MR;
+    const long bytes = q4 == 1 ? Q4_K_BYTES : q4 == 2 ? Q5_K_BYTES : Q6_K_BYTES;
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *first = w + n0 * row_bytes + (long)b * (q4 ? Q4_K_BYTES : Q6_K_BYTES);
+        const uint8_t *first = w + n0 * row_bytes + (long)b * bytes;
         /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
-         * super-block KG_AHEAD blocks on (all its lines: 144 or 210 bytes from any offset span at most 4) */
+         * super-block KG_AHEAD blocks on (all its lines: 144 to 210 bytes from any offset span at most 4) */
         if (b + KG_AHEAD < blocks)
             for (int r = 0; r < KG_ROWS; r++)
-                for (int line = 0; line < (q4 ? Q4_K_BYTES : Q6_K_BYTES) + 64; line += 64)
-                    _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * (q4 ? Q4_K_BYTES : Q6_K_BYTES) + line,
-                                 _MM_HINT_T0);
+                for (int line = 0; line < bytes + 64; line += 64)
+                    _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * bytes + line, _MM_HINT_T0);
         kg_unpack(first, row_bytes, q4, u);
         const q8_block *a[KG_MR];
 #define KG_PASS(mr, m0)                                                             \
         do {                                                                        \
             for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
-            if (q4) kg_rows(u, 1, a, mr, out + (long)KG_ROWS * (m0));                          \
+            if (q4 == 1) kg_rows(u, 1, a, mr, out + (long)KG_ROWS * (m0));                     \
+            else if (KG_Q5_K && q4 == 2) kg_rows(u, 2, a, mr, out + (long)KG_ROWS * (m0));     \
             else kg_rows(u, 0, a, mr, out + (long)KG_ROWS * (m0));                             \
         } while (0)
         for (int m0 = 0; m0 < full; m0 += KG_MR) KG_PASS(KG_MR, m0);
@@ -1103,7 +1126,8 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const size_t kx_bytes = 0;
 #endif
 #if defined(KG_ROWS)
-    const int gemm = !lanes && format != FMT_Q5_K && M >= (q4 ? KG_MIN_M : KG_MIN_M_Q6) && N % KG_ROWS == 0;
+    const int least = format == FMT_Q4_K ? KG_MIN_M : format == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6;
+    const int gemm = !lanes && M >= least && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
@@ -1137,7 +1161,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
             char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
             #pragma omp for schedule(static) nowait
             for (int t = 0; t < N / KG_ROWS; t++)
-                kg_tile(w, row_bytes, blocks, q4, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
+                kg_tile(w, row_bytes, blocks, format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
                         bias, y, y_stride, f32);
         } else
 #endif
