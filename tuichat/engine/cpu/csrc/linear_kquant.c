@@ -39,6 +39,14 @@
 #define Q6_K_BYTES 210
 #define KQ_NR 4 /* weight rows per tile */
 #define KQ_MR 4 /* input rows per pass over a tile: NR x MR accumulators = the 16 sums store_tile takes */
+/* Input rows per pass of the row tiles over a weight tile beyond a decode's KQ_MR (kquant_linear): 8 with AVX2,
+ * whose row tiles also take 5 to 63 rows (8 tabs) of the formats its GEMM leaves them, and then read each weight
+ * once rather than twice. */
+#if defined(KQ_Q5_K)
+#define KQ_PASS 8
+#else
+#define KQ_PASS KQ_MR
+#endif
 
 /* Q4_K's sub-blocks in the order its nibble vectors come out of the bytes: chunk c's low nibbles (sub-block 2c),
  * then its high ones (2c + 1), two chunks a vector. Position p of a Q4_K input row holds sub-block Q4_K_ORDER[p]
@@ -159,8 +167,8 @@ static inline __m128i q4_k_scales_v(const uint8_t *s) {
 /* A tile's exact integers, kept until its fmas: per input row, weight row and super-block S (and Q4_K's Ms), and
  * each super-block's fp16 d (and dmin) as one dword. The fmas then run on the tile's four weight rows at once. */
 typedef struct {
-    int32_t S[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
-    int32_t Ms[KQ_MR][KQ_NR][KQ_MAX_BLOCKS];
+    int32_t S[KQ_PASS][KQ_NR][KQ_MAX_BLOCKS];
+    int32_t Ms[KQ_PASS][KQ_NR][KQ_MAX_BLOCKS];
     uint32_t head[KQ_NR][KQ_MAX_BLOCKS];
 } kq_sums;
 
@@ -419,7 +427,8 @@ static inline __attribute__((always_inline)) void q6_k_block(const uint8_t *row,
         sums[m] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                    _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)xq[(long)m * blocks + b].sums)), 5));
     for (int h = 0; h < 2; h++) { /* weights 128h + 32t + l: ql byte 64h + 32(t % 2) + l, nibble t / 2; qh bits 2t */
-        const __m256i half = _mm256_permute2x128_si256(sc16, sc16, h ? 0x11 : 0x00);
+        const __m256i half = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) /* an immediate, unrolled or not */
+                                : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int t = 0; t < 2; t++) { /* groups t and t + 2 of the half: input positions 4h + t and that + 2 */
             const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * t));
             const __m256i qh = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)), 2 * t);
@@ -450,20 +459,22 @@ static inline __attribute__((always_inline)) void kq_row(const uint8_t *row, con
             if (q4) _mm_storeu_si128((__m128i *)&u->Ms[0][r][b], _mm_hadd_epi32(_mm_hadd_epi32(mt[0], mt[1]), _mm_hadd_epi32(mt[2], mt[3])));
         }
     for (; b < blocks; b++) {
-        __m256i t[KQ_MR];
-        __m128i mt[KQ_MR];
+        __m256i t[KQ_PASS];
+        __m128i mt[KQ_PASS];
         if (q4) q4_k_block(row, b, xq, blocks, mr, q4 == 2, t, mt, &u->head[r][b]);
         else q6_k_block(row, b, xq, blocks, mr, t, &u->head[r][b]);
-        /* lane m: input row m's (rows past mr repeat row 0's and are not stored) */
-        const __m128i S = sum4(t[0], t[mr > 1], t[mr > 2 ? 2 : 0], t[mr > 3 ? 3 : 0]);
-        const __m128i Ms = q4 ? _mm_hadd_epi32(_mm_hadd_epi32(mt[0], mt[mr > 1]), _mm_hadd_epi32(mt[mr > 2 ? 2 : 0], mt[mr > 3 ? 3 : 0]))
-                              : _mm_setzero_si128();
-        int32_t s4[4], m4[4];
-        _mm_storeu_si128((__m128i *)s4, S);
-        _mm_storeu_si128((__m128i *)m4, Ms);
-        for (int m = 0; m < mr; m++) {
-            u->S[m][r][b] = s4[m];
-            if (q4) u->Ms[m][r][b] = m4[m];
+        for (int m0 = 0; m0 < mr; m0 += 4) { /* lane i: input row m0 + i's (rows past mr repeat m0's, not stored) */
+            const int i1 = m0 + 1 < mr ? m0 + 1 : m0, i2 = m0 + 2 < mr ? m0 + 2 : m0, i3 = m0 + 3 < mr ? m0 + 3 : m0;
+            const __m128i S = sum4(t[m0], t[i1], t[i2], t[i3]);
+            const __m128i Ms = q4 ? _mm_hadd_epi32(_mm_hadd_epi32(mt[m0], mt[i1]), _mm_hadd_epi32(mt[i2], mt[i3]))
+                                  : _mm_setzero_si128();
+            int32_t s4[4], m4[4];
+            _mm_storeu_si128((__m128i *)s4, S);
+            _mm_storeu_si128((__m128i *)m4, Ms);
+            for (int m = m0; m < mr && m < m0 + 4; m++) {
+                u->S[m][r][b] = s4[m - m0];
+                if (q4) u->Ms[m][r][b] = m4[m - m0];
+            }
         }
     }
 }
@@ -610,7 +621,7 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
                                                               int blocks, const q8_block *xq, const uint16_t *bias,
                                                               void *y, long y_stride, int n0, int m0, const int mr,
                                                               int f32) {
-    float acc[KQ_NR * KQ_MR] = {};
+    float acc[KQ_NR * KQ_PASS] = {};
     if (format == FMT_Q4_K) q4_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
 #if defined(KQ_Q5_K)
     else if (format == FMT_Q5_K) q5_k_tile(w + n0 * row_bytes, row_bytes, blocks, xq + (long)m0 * blocks, mr, acc);
@@ -1136,7 +1147,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + kx_bytes + (gemm ? own * threads + 64 : 0));
     if (!memory) return -2;
     q8_block *xq = (q8_block *)memory;
-    const int full = M / KQ_MR * KQ_MR;
+    const int full = M / KQ_PASS * KQ_PASS;
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
@@ -1169,11 +1180,17 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
         for (int t = 0; t < N / KQ_NR; t++) {
             const int n0 = t * KQ_NR;
 #define KQ_TILE(mr, m0) kquant_tile(w, format, row_bytes, blocks, xq, bias, y, y_stride, n0, m0, mr, f32)
-            for (int m0 = 0; m0 < full; m0 += KQ_MR) KQ_TILE(KQ_MR, m0);
+            for (int m0 = 0; m0 < full; m0 += KQ_PASS) KQ_TILE(KQ_PASS, m0);
             switch (M - full) {
                 case 1: KQ_TILE(1, full); break;
                 case 2: KQ_TILE(2, full); break;
                 case 3: KQ_TILE(3, full); break;
+#if KQ_PASS > 4
+                case 4: KQ_TILE(4, full); break;
+                case 5: KQ_TILE(5, full); break;
+                case 6: KQ_TILE(6, full); break;
+                case 7: KQ_TILE(7, full); break;
+#endif
                 default: break;
             }
 #undef KQ_TILE
