@@ -1,4 +1,4 @@
-/* Q4_K and Q6_K weights read where the GGUF file keeps them: ggml's super-blocks of 256 weights, row after row,
+/* Q4_K and Q6_K (and, in AVX2 builds, Q5_K) weights read where the GGUF file keeps them: ggml's super-blocks of 256 weights, row after row,
  * byte for byte the file's (no re-cut, no copy: the engine hands in a pointer into the mapped file).
  *
  * Q4_K (144 bytes): fp16 d and dmin, 12 bytes of eight 6-bit scales and eight 6-bit minimums, then 128 bytes of
@@ -23,6 +23,8 @@
  * - a GEMM (more rows: prefill): 16 weight rows are unpacked per super-block (loads and transposes) into one
  *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
  *   the 16 rows' fp32 sums in the lanes.
+ * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 8 weight rows
+ * (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 64), no lanes kernel.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
