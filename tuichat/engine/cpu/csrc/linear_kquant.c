@@ -954,12 +954,12 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #endif
 
 #if defined(KG_ROWS)
-/* q4: 1 Q4_K, 2 Q5_K (256-bit builds), 0 Q6_K. */
-static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int q4, const q8_block *xq, int M, int n0,
+static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, const q8_block *xq, int M, int n0,
                     kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
     const int full = M / KG_MR * KG_MR;
-    const long bytes = q4 == 1 ? Q4_K_BYTES : q4 == 2 ? Q5_K_BYTES : Q6_K_BYTES;
+    const int q4 = format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0; /* kg_unpack's and kg_rows' kind */
+    const long bytes = kq_block_bytes(format);
     for (int b = 0; b < blocks; b++) {
         const uint8_t *first = w + n0 * row_bytes + (long)b * bytes;
         /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
@@ -1174,7 +1174,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
             char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
             #pragma omp for schedule(static) nowait
             for (int t = 0; t < N / KG_ROWS; t++)
-                kg_tile(w, row_bytes, blocks, format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
+                kg_tile(w, row_bytes, blocks, format, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
                         bias, y, y_stride, f32);
         } else
 #endif
