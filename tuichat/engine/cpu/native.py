@@ -89,7 +89,8 @@ class CpuKernels:
         return self.library.quant_math(format, in_features).decode()
 
     def layout(self, format: int, in_features: int) -> str:
-        """How pack() lays out `format` with `in_features` inputs: "tiles", "pairs" or "rows"."""
+        """How pack() lays out `format` with `in_features` inputs: "tiles", "pairs" (or "signed pairs"), "rows", "in
+        place" (read as the file holds them) or "none" (not taken)."""
         return self.library.pack_layout(format, in_features).decode()
 
     def pack(self, blocks, format: int, in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:

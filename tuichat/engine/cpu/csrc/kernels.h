@@ -192,6 +192,10 @@ int any_linear(const void *x, const void *w, int format, const uint16_t *bias, v
                long x_stride, long y_stride, int threads, int f32);
 int scratch_linear(scratch *s, const void *x, const void *w, int format, const uint16_t *bias, void *y, int M, int N,
                    int K, long x_stride, long y_stride, int threads, int f32);
+/* Several K-quant weights of one input width side by side in one region (linear_kquant.c); -1: part by part. */
+int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
+                        const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
+                        long y_stride, int threads, int f32);
 const char *quant_math(int format, int K);
 const char *pack_layout(int format, int K);
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst);

@@ -92,19 +92,22 @@ enum { FMT_Q4_K = 12, FMT_Q5_K = 13, FMT_Q6_K = 14 };  /* ggml's type numbers */
 int kquant_format(int format);
 int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                   int N, int K, long x_stride, long y_stride, int threads, int f32);
-int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
-                        const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
-                        long y_stride, int threads, int f32);
 
 /* -- the quantized paths, by instruction set: each says whether it takes a shape (0 where the build lacks it) -- */
 /* linear_quant.c: any format and shape, in fp32; the dispatch over the paths below. */
 int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                      int N, int K, long x_stride, long y_stride, int threads, int f32);
 
-/* arch/x86/linear_int8.c (AVX2 and up): int8 dot products over pairs of blocks (Q4_0, Q4_1, Q8_0). */
-int int8_path(int format, int K);
-int int8_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N, int K,
-                long x_stride, long y_stride, int threads, int f32);
+/* arch/x86/linear_int8.c (AVX2 and up): int8 dot products over pairs of blocks (Q4_0, Q4_1, Q8_0). Q8_0's quants
+ * are laid out +128 (unsigned) for VNNI's dpbusd, as the file's signed bytes for AVX2's maddubs (see there). */
+#if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+#define I8_SIGNED_Q8 1
+#else
+#define I8_SIGNED_Q8 0
+#endif
+int int8_path(int K);
+int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
+                int K, long x_stride, long y_stride, int threads, int f32);
 
 /* arch/x86/linear_vnni512.c (AVX512-VNNI and BW): int8 dot products over tiles of 16 weight rows, every format. */
 int tiled_path(int K);

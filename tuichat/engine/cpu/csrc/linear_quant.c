@@ -133,7 +133,7 @@ int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, co
     if (tiled_path(K)) return tiled_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
 #ifdef __AVX2__
-    if (int8_path(format, K)) return int8_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
+    if (int8_path(K)) return int8_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif
     return dequantized_linear(x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 }
@@ -148,7 +148,7 @@ const char *quant_math(int format, int K) {
     if (kquant_format(format)) return "int8";
 #endif
     if (tiled_path(K)) return "int8 VNNI";
-    if (!int8_path(format, K)) return "fp32";
+    if (!int8_path(K)) return "fp32";
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return "int8 VNNI";
 #elif defined(__AVXVNNI__)

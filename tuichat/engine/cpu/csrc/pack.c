@@ -5,9 +5,9 @@
 
 #include "linear.h"
 
-/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path), "rows", or
- * "in place": Q4_K and Q6_K read as the file holds them (linear_kquant.c), where its vector path is built (its
- * portable path is slower than the bf16 linear). */
+/* How pack_blocks lays out `format` with K inputs: "tiles" (512-bit VNNI), "pairs" (the int8 path; "signed pairs"
+ * its Q8_0 without VNNI), "rows", or "in place": the K-quants read as the file holds them (linear_kquant.c), where
+ * its vector path is built (its portable path is slower than the bf16 linear). */
 const char *pack_layout(int format, int K) {
     if (kquant_format(format)) {
 #if defined(KQ_VECTOR)
@@ -18,7 +18,11 @@ const char *pack_layout(int format, int K) {
     format = same_layout(format);
     if (tiled_path(K)) return "tiles";
     if (tiled_only(format)) return "none";
-    return int8_path(format, K) ? "pairs" : "rows";
+    if (!int8_path(K)) return "rows";
+#if I8_SIGNED_Q8
+    if (format == FMT_Q8_0) return "signed pairs";
+#endif
+    return "pairs";
 }
 
 /* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes: per
@@ -32,7 +36,12 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     if (tiled_path(K)) return pack_tiles(src, format, N, K, dst);
 #endif
     if (tiled_only(format)) return -1;  /* the tiled path's only */
-    int paired = int8_path(format, K);
+    int paired = int8_path(K);
+#if I8_SIGNED_Q8
+    const uint8_t flip = 0;
+#else
+    const uint8_t flip = format == FMT_Q8_0 ? 0x80 : 0; /* Q8_0's int8 + 128, dpbusd's unsigned side */
+#endif
     #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {
         const uint8_t *row = src + n * blocks * bytes;
@@ -47,7 +56,7 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
                 /* byte t of the block: Q4 holds weights t and t + 16; Q8_0 weight t (stored + 128) */
                 int side = b % 2, within = format == FMT_Q8_0 ? t % 16 : t, half = format == FMT_Q8_0 ? t / 16 : 0;
                 long at = (long)(b / 2) * 2 * q_bytes + half * 32 + 8 * (within / 4) + 4 * side + within % 4;
-                out[at] = format == FMT_Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+                out[at] = v ^ flip;
             }
         }
     }

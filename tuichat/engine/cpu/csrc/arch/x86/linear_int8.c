@@ -1,8 +1,10 @@
 /* int8 dot products over pairs of blocks (AVX512-VNNI, AVX-VNNI, or AVX2's maddubs), as llama.cpp computes Q4_0,
  * Q4_1 and Q8_0; quantized_linear (linear_quant.c) runs them where the tiled path does not.
  * The inputs are quantized per block of 32 to int8 with one fp32 scale (dx = max|x| / 127), the weights' quants
- * are unsigned bytes (Q4's nibbles, or Q8_0's int8 + 128), and a block's dot product is exact in int32:
+ * are unsigned bytes (Q4's nibbles, or with VNNI Q8_0's int8 + 128), and a block's dot product is exact in int32:
  *   x . w = dw * dx * sum(q_w * q_x) + m * dx * sum(q_x)    (m: Q4_1's minimum; -8 dw for Q4_0, -128 dw for Q8_0)
+ * Without VNNI, Q8_0 keeps the file's signed bytes (I8_SIGNED_Q8): maddubs's int16 pairs would saturate at
+ * 255 * 127 * 2, so it multiplies |q_w| by q_x carrying q_w's sign, at most 128 * 127 * 2, and needs no m.
  * Each dpbusd lane sums 4 products; two blocks share a 32-byte vector, their 4-byte groups alternating, so that
  * lanes 0, 2, 4, 6 hold one block and 1, 3, 5, 7 the other and one 8-byte broadcast carries both blocks' scales.
  * pack_blocks (pack.c) lays the weights out so; quantize_inputs does the same for the inputs. */
@@ -13,26 +15,29 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
-int int8_path(int format, int K) {
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-    return K % 64 == 0;
-#else
-    return K % 64 == 0 && format != FMT_Q8_0;  /* maddubs would saturate Q8_0's products of up to 255 * 128 */
-#endif
-}
+int int8_path(int K) { return K % 64 == 0; }
 
-static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+/* The int32 sums of a pair of blocks (alternating lanes) of weights lo and hi (each block's weights 0..15 and
+ * 16..31) times the inputs xlo and xhi. */
+static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, const int q8) {
+    (void)q8;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (q8) /* |q_w| times q_x with q_w's sign: int16 pairs up to 128 * 127 * 2, each half widened on its own */
+        return _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xlo, lo)), ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xhi, hi)), ones));
+    /* nibbles: int16 pairs up to 15 * 127 * 2, so the halves add in int16 before the one widening */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
 #endif
 }
 
 /* Input row m: int8 quants in pairs of blocks (64 bytes a pair: weights 0..15 of both, then 16..31, groups of 4
- * alternating), and per block dx and sx = dx * sum(q), rows `stride` blocks apart (padded to 8). */
+ * alternating), and per block dx and sx = dx * sum(q), rows `stride` blocks apart (padded to 8, with zeros). */
 typedef struct { int8_t *q; float *dx, *sx; } quantized_inputs;
 
 /* 16 values (two vectors of 8 floats) times id, rounded to nearest even, as 16 int8 in order. */
@@ -81,8 +86,25 @@ static void quantize_inputs(const void *x, int f32, int first, int last, int K, 
                 _mm_storeu_si128((__m128i *)(pair + 32 * h + 16), _mm_unpackhi_epi32(halves[0][h], halves[1][h]));
             }
         }
+        for (int b = K / 32; b < stride; b++) out->dx[(long)m * stride + b] = out->sx[(long)m * stride + b] = 0.0f;
     }
 }
+
+/* The first n (even) of 8 halves at p, zeros after, loaded without reading past them or through memory (a
+ * partial copy to the stack, then a full load, waited for the store every tile). */
+static inline __m128i first_halves(const uint8_t *p, int n) {
+    if (n >= 8) return _mm_loadu_si128((const __m128i *)p);
+    __m128i v = n >= 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_setzero_si128();
+    if (n % 4 == 0) return v;
+    int32_t two;
+    memcpy(&two, p + 2 * (n - 2), 4);
+    return n == 2 ? _mm_insert_epi32(v, two, 0) : _mm_insert_epi32(v, two, 2);
+}
+
+/* A decode streams each thread's rows from DRAM: asking this far ahead, into L2, keeps enough loads in flight (as
+ * linear_kquant.c's row tiles do). */
+#define I8_AHEAD 8192
+#define I8_HINT _MM_HINT_T2
 
 /* NR weight rows times mr input rows. A row's fp16 scales are read in place: one 4-byte broadcast converts a
  * pair's two scales into the alternating lanes they multiply. */
@@ -97,35 +119,42 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
                                                             void *y, int K, long y_stride, int n0, int m0,
                                                             const int mr, int f32) {
     const int blocks = K / 32, stride = (blocks + 7) / 8 * 8, pair_bytes = format == FMT_Q8_0 ? 64 : 32;
+    const int bytes = block_bytes(format);
     const long quant_bytes = format == FMT_Q8_0 ? K : K / 2;
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[I8_NR][I8_MR];
     for (int i = 0; i < I8_NR; i++)
         for (int j = 0; j < mr; j++) acc[i][j] = _mm256_setzero_ps();
     for (int p = 0; p < blocks / 2; p++) {
-        __m256i lo[I8_NR], hi[I8_NR];
-        __m256 scale[I8_NR];
+        /* The tile's rows lie one after another, and a thread's tiles too: one stream, asked for I8_AHEAD on */
+        const char *ahead = (const char *)w + n0 * row_bytes + (long)p * I8_NR * 2 * bytes + I8_AHEAD;
+        for (int line = 0; line < I8_NR * 2 * bytes; line += 64) _mm_prefetch(ahead + line, I8_HINT);
+        /* A row at a time (its vectors dead before the next row's): 16 registers hold AVX2's tile */
+        __m256i xlo[I8_MR], xhi[I8_MR];
+        __m256 dx[I8_MR];
+        for (int j = 0; j < mr; j++) {
+            const int8_t *q = in->q + (long)(m0 + j) * K + (long)p * 64;
+            xlo[j] = _mm256_loadu_si256((const __m256i *)q);
+            xhi[j] = _mm256_loadu_si256((const __m256i *)(q + 32));
+            dx[j] = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&in->dx[(long)(m0 + j) * stride + 2 * p]));
+        }
         for (int i = 0; i < I8_NR; i++) {
             const uint8_t *row = w + (n0 + i) * row_bytes, *quants = row + (long)p * pair_bytes;
+            __m256i lo, hi;
             if (format == FMT_Q8_0) {
-                lo[i] = _mm256_loadu_si256((const __m256i *)quants);
-                hi[i] = _mm256_loadu_si256((const __m256i *)(quants + 32));
+                lo = _mm256_loadu_si256((const __m256i *)quants);
+                hi = _mm256_loadu_si256((const __m256i *)(quants + 32));
             } else {
                 __m256i v = _mm256_loadu_si256((const __m256i *)quants);
-                lo[i] = _mm256_and_si256(v, low);
-                hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                lo = _mm256_and_si256(v, low);
+                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
             int32_t halves;
             memcpy(&halves, row + quant_bytes + 4 * p, 4);
-            scale[i] = _mm256_cvtph_ps(_mm_set1_epi32(halves));
-        }
-        for (int j = 0; j < mr; j++) {
-            const int8_t *q = in->q + (long)(m0 + j) * K + (long)p * 64;
-            __m256i xlo = _mm256_loadu_si256((const __m256i *)q), xhi = _mm256_loadu_si256((const __m256i *)(q + 32));
-            __m256 dx = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&in->dx[(long)(m0 + j) * stride + 2 * p]));
-            for (int i = 0; i < I8_NR; i++) {
-                __m256i sums = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[i], xlo), hi[i], xhi);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale[i], dx), acc[i][j]);
+            const __m256 scale = _mm256_cvtph_ps(_mm_set1_epi32(halves));
+            for (int j = 0; j < mr; j++) {
+                __m256i sums = pair_dot(lo, hi, xlo[j], xhi[j], format == FMT_Q8_0);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, dx[j]), acc[i][j]);
             }
         }
     }
@@ -140,14 +169,15 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
         const float *sx = in->sx + (long)(m0 + j) * stride;
         __m256 total[I8_NR];
         for (int i = 0; i < I8_NR; i++) {
+            total[i] = acc[i][j];
+            if (format == FMT_Q8_0 && I8_SIGNED_Q8) continue; /* no minimum */
             const uint8_t *m = w + (n0 + i) * row_bytes + m_offset;
             __m256 minimum = _mm256_setzero_ps();
             for (int b = 0; b < stride; b += 8) {  /* sx is zero past the last block; the minimums are not there */
-                __m128i halves = b + 8 <= blocks ? _mm_loadu_si128((const __m128i *)(m + 2 * b)) : _mm_setzero_si128();
-                if (b + 8 > blocks) memcpy(&halves, m + 2 * b, 2 * (blocks - b));
+                __m128i halves = first_halves(m + 2 * b, blocks - b);
                 minimum = _mm256_fmadd_ps(_mm256_cvtph_ps(halves), _mm256_loadu_ps(sx + b), minimum);
             }
-            total[i] = _mm256_fmadd_ps(minimum, factor, acc[i][j]);
+            total[i] = _mm256_fmadd_ps(minimum, factor, total[i]);
         }
         __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
         __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)), add);
@@ -165,23 +195,22 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
     }
 }
 
-int int8_linear(const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
-                int K, long x_stride, long y_stride, int threads, int f32) {
+int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
+                int N, int K, long x_stride, long y_stride, int threads, int f32) {
     int blocks = K / 32, padded = (blocks + 7) / 8 * 8;  /* each input row's dx and sx, padded to 8 */
-    long row_bytes = (long)blocks * block_bytes(format);
-    quantized_inputs in = {malloc((size_t)M * K), calloc((size_t)M * padded, sizeof(float)),
-                           calloc((size_t)M * padded, sizeof(float))};
-    if (!in.q || !in.dx || !in.sx) { free(in.q); free(in.dx); free(in.sx); return -2; }
+    long row_bytes = (long)blocks * block_bytes(format), floats = (long)M * padded;
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, (size_t)M * K + 2 * sizeof(float) * floats);
+    if (!memory) return -2;
+    quantized_inputs in = {(int8_t *)(memory + 2 * sizeof(float) * floats), (float *)memory, (float *)memory + floats};
     int full = M / I8_MR * I8_MR;
     #pragma omp parallel num_threads(threads)
     {
     int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
     quantize_inputs(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, &in, padded);
     #pragma omp barrier
-    #pragma omp for schedule(dynamic, 4)
-    for (int n0 = 0; n0 < N; n0 += I8_NR) {
-        if (n0 + I8_NR < N)  /* the next tile's rows, usually this thread's next: ask for them while this one runs */
-            for (long b = 0; b < I8_NR * row_bytes; b += 64) __builtin_prefetch(w + (n0 + I8_NR) * row_bytes + b, 0, 3);
+    #pragma omp for schedule(static)
+    for (int t = 0; t < N / I8_NR; t++) {
+        const int n0 = t * I8_NR;
 #define I4_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
 #define I4_1_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_1, &in, bias, y, K, y_stride, n0, m0, mr, f32)
 #define I8_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q8_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
@@ -197,10 +226,9 @@ int int8_linear(const void *x, const uint8_t *w, int format, const uint16_t *bia
         }
     }
     }
-    free(in.q); free(in.dx); free(in.sx);
     return 0;
 }
 #else
-int int8_path(int format, int K) { (void)format; (void)K; return 0; }
+int int8_path(int K) { (void)K; return 0; }
 #endif
 
