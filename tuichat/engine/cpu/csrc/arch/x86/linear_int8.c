@@ -112,7 +112,7 @@ static inline __m128i first_halves(const uint8_t *p, int n) {
 #if defined(__AVX512VL__)
 #define I8_MR 4 /* 16 accumulators of 32 registers */
 #else
-#define I8_MR 1 /* 4 of 16 */
+#define I8_MR 2 /* 8 accumulators of 16 registers: some spill, still faster than one input row a pass */
 #endif
 static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, long row_bytes, const int format,
                                                             const quantized_inputs *in, const uint16_t *bias,
@@ -122,6 +122,20 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
     const int bytes = block_bytes(format);
     const long quant_bytes = format == FMT_Q8_0 ? K : K / 2;
     const __m256i low = _mm256_set1_epi8(15);
+    /* The minimums' term, sum over blocks of m * sx (Q4_1's own m, else a multiple of the scale), first and into
+     * memory: with its loops after the main one, GCC kept the accumulators in memory, two stores a pass each. */
+    const long m_offset = quant_bytes + (format == FMT_Q4_1 ? 2 * blocks : 0);
+    _Alignas(32) float minimums[I8_MR][I8_NR][8];
+    for (int j = 0; j < mr; j++)
+        for (int i = 0; i < I8_NR; i++) {
+            if (format == FMT_Q8_0 && I8_SIGNED_Q8) break; /* no minimum */
+            const float *sx = in->sx + (long)(m0 + j) * stride;
+            const uint8_t *m = w + (n0 + i) * row_bytes + m_offset;
+            __m256 minimum = _mm256_setzero_ps();
+            for (int b = 0; b < stride; b += 8)  /* sx is zero past the last block; the minimums are not there */
+                minimum = _mm256_fmadd_ps(_mm256_cvtph_ps(first_halves(m + 2 * b, blocks - b)), _mm256_loadu_ps(sx + b), minimum);
+            _mm256_store_ps(minimums[j][i], minimum);
+        }
     __m256 acc[I8_NR][I8_MR];
     for (int i = 0; i < I8_NR; i++)
         for (int j = 0; j < mr; j++) acc[i][j] = _mm256_setzero_ps();
@@ -160,25 +174,16 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, lo
     }
     /* The minimums' term, sum over blocks of m * sx: Q4_1's own m, else a multiple of the scale. Then the four
      * rows' sums at once: one reduction tree, the bias, (bf16 rounding,) one store. */
-    const long m_offset = quant_bytes + (format == FMT_Q4_1 ? 2 * blocks : 0);
+    /* The four rows' sums at once: one reduction tree, the bias, (bf16 rounding,) one store. */
     const __m256 factor = _mm256_set1_ps(format == FMT_Q4_1 ? 1.0f : format == FMT_Q8_0 ? -128.0f : -8.0f);
     __m128 add = _mm_setzero_ps();
     if (bias)
         for (int i = 0; i < I8_NR; i++) add[i] = bf16_to_float(bias[n0 + i]);
     for (int j = 0; j < mr; j++) {
-        const float *sx = in->sx + (long)(m0 + j) * stride;
         __m256 total[I8_NR];
-        for (int i = 0; i < I8_NR; i++) {
-            total[i] = acc[i][j];
-            if (format == FMT_Q8_0 && I8_SIGNED_Q8) continue; /* no minimum */
-            const uint8_t *m = w + (n0 + i) * row_bytes + m_offset;
-            __m256 minimum = _mm256_setzero_ps();
-            for (int b = 0; b < stride; b += 8) {  /* sx is zero past the last block; the minimums are not there */
-                __m128i halves = first_halves(m + 2 * b, blocks - b);
-                minimum = _mm256_fmadd_ps(_mm256_cvtph_ps(halves), _mm256_loadu_ps(sx + b), minimum);
-            }
-            total[i] = _mm256_fmadd_ps(minimum, factor, total[i]);
-        }
+        for (int i = 0; i < I8_NR; i++)
+            total[i] = format == FMT_Q8_0 && I8_SIGNED_Q8 ? acc[i][j]
+                                                          : _mm256_fmadd_ps(_mm256_load_ps(minimums[j][i]), factor, acc[i][j]);
         __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
         __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)), add);
         if (f32) {
