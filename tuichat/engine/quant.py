@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 BF16 = 30  # ggml's type number for bf16; the quantized ones below are ggml's as well
-PACK_VERSION = "3"  # of the cached layout: bump when CpuKernels.pack changes what it writes
+PACK_VERSION = "4"  # of the cached layout: bump when CpuKernels.pack changes what it writes
 # Bytes per block of 32 weights as the kernels are handed them: Q4_0, Q4_1, Q8_0 as GGUF stores them (and Q5_0,
 # Q5_1 where the tiled path is built: elsewhere they are re-cut), and the 5-bit and K-quant types re-cut (recut):
 # ids 100 + the GGUF type's.

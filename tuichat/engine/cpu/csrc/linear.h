@@ -28,6 +28,40 @@ static inline void store_tile(const vf *sums, const uint16_t *bias, void *y, lon
     for (int j = 0; j < mr; j++) memcpy((uint16_t *)y + (long)(m0 + j) * y_stride + n0, (uint16_t *)&rounded + j * NR, NR * sizeof(uint16_t));
 }
 
+/* n outputs of one input row (weight rows n0...), plus the bias, into y at `at` + n0: fp32, or rounded to bf16. */
+static inline void store_outputs(const float *acc, int n, const uint16_t *bias, void *y, long at, int n0, int f32) {
+    for (int r = 0; r < n; r++) {
+        float v = acc[r];
+        if (bias) v += bf16_to_float(bias[n0 + r]);
+        if (f32) ((float *)y)[at + n0 + r] = v;
+        else ((uint16_t *)y)[at + n0 + r] = to_bf16(splat(v))[0];
+    }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* 32 bytes of each of 8 rows (rows 0-3 at a + i * stride, 4-7 at b + i * stride) as 8 vectors: vector k, lane r =
+ * row r's dword k. The AVX2 GEMMs' unpacking (linear_kquant.c, arch/x86/linear_int8.c). */
+static inline void transpose_8x8(const uint8_t *a, const uint8_t *b, long stride, __m256i out[8]) {
+    __m256i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i *)((i < 4 ? a : b) + (i % 4) * stride));
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]);
+            u[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
+        }
+    /* u[e] (rows 0-3) and u[4 + e] (rows 4-7): dword e in the low 128-bit lane, e + 4 in the high one */
+    for (int e = 0; e < 4; e++) {
+        out[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+        out[e + 4] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+    }
+}
+#endif
+
 /* Every MR-row tile of the M input rows, then the rest, with tile sizes known at compile time. */
 #if MR > 2
 #define REST_TILES(TILE) case 2: TILE(2, full); break; case 3: TILE(3, full); break;
@@ -98,12 +132,13 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
 int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                      int N, int K, long x_stride, long y_stride, int threads, int f32);
 
-/* arch/x86/linear_int8.c (AVX2 and up): int8 dot products over pairs of blocks (Q4_0, Q4_1, Q8_0). Q8_0's quants
- * are laid out +128 (unsigned) for VNNI's dpbusd, as the file's signed bytes for AVX2's maddubs (see there). */
+/* arch/x86/linear_int8.c (AVX2 and up): int8 dot products over pairs of blocks (Q4_0, Q4_1, Q8_0). Builds without
+ * VNNI multiply with maddubs (I8_MADDUBS): their Q8_0 keeps the file's signed bytes, VNNI's dpbusd takes them
+ * + 128 (see there). */
 #if defined(__AVX2__) && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
-#define I8_SIGNED_Q8 1
+#define I8_MADDUBS 1
 #else
-#define I8_SIGNED_Q8 0
+#define I8_MADDUBS 0
 #endif
 int int8_path(int K);
 int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,

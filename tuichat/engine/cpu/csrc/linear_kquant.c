@@ -609,16 +609,6 @@ static inline __attribute__((always_inline)) void q6_k_tile(const uint8_t *w, lo
 }
 #endif
 
-/* n outputs of one input row (weight rows n0...), plus the bias, into y at `at` + n0: fp32, or rounded to bf16. */
-static inline void store_outputs(const float *acc, int n, const uint16_t *bias, void *y, long at, int n0, int f32) {
-    for (int r = 0; r < n; r++) {
-        float v = acc[r];
-        if (bias) v += bf16_to_float(bias[n0 + r]);
-        if (f32) ((float *)y)[at + n0 + r] = v;
-        else ((uint16_t *)y)[at + n0 + r] = to_bf16(splat(v))[0];
-    }
-}
-
 static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, const int format, long row_bytes,
                                                               int blocks, const q8_block *xq, const uint16_t *bias,
                                                               void *y, long y_stride, int n0, int m0, const int mr,
@@ -811,24 +801,9 @@ typedef struct {
     __m256 d, ndmin;
 } kg_block;
 
-/* 32 bytes at `at` of each of 8 rows (row_bytes apart) as 8 vectors: vector v, lane r = the row's dword v. */
-static inline void transpose_8x8(const uint8_t *at, long row_bytes, __m256i out[8]) {
-    __m256i z[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i *)(at + i * row_bytes));
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int j = 0; j < 2; j++) {
-            u[i + 2 * j] = _mm256_unpacklo_epi64(t[i + j], t[i + j + 2]);
-            u[i + 2 * j + 1] = _mm256_unpackhi_epi64(t[i + j], t[i + j + 2]);
-        }
-    /* u[e] (rows 0-3) and u[4 + e] (rows 4-7): dword e in the low 128-bit lane, e + 4 in the high one */
-    for (int e = 0; e < 4; e++) {
-        out[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
-        out[e + 4] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
-    }
+/* 32 bytes at `at` of each of 8 rows, row_bytes apart, transposed (linear.h). */
+static inline void transpose_rows(const uint8_t *at, long row_bytes, __m256i out[8]) {
+    transpose_8x8(at, at + 4 * row_bytes, row_bytes, out);
 }
 
 static inline __m256i byte_of(__m256i v, int k) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xff)); }
@@ -868,10 +843,10 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
         for (int k = 0; k < 4; k++) u->mn[k] = pair16(m[2 * k], m[2 * k + 1]);
 #if KG_Q5_K
         __m256i qh[8]; /* Q5_K's fifth bits, transposed as the nibbles are */
-        if (q4 == 2) transpose_8x8(first + 16, row_bytes, qh);
+        if (q4 == 2) transpose_rows(first + 16, row_bytes, qh);
 #endif
         for (int c = 0; c < 4; c++) {
-            transpose_8x8(first + (q4 == 2 ? 48 : 16) + 32 * c, row_bytes, v);
+            transpose_rows(first + (q4 == 2 ? 48 : 16) + 32 * c, row_bytes, v);
             for (int j = 0; j < 8; j++) {
                 u->w[2 * c][j] = _mm256_and_si256(v[j], nib);
                 u->w[2 * c + 1][j] = _mm256_and_si256(_mm256_srli_epi32(v[j], 4), nib);
@@ -897,9 +872,9 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
     u->ndmin = _mm256_setzero_ps();
     for (int h = 0; h < 2; h++) { /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
         __m256i hi[8];
-        transpose_8x8(first + 128 + 32 * h, row_bytes, hi);
+        transpose_rows(first + 128 + 32 * h, row_bytes, hi);
         for (int half = 0; half < 2; half++) {
-            transpose_8x8(first + 64 * h + 32 * half, row_bytes, v);
+            transpose_rows(first + 64 * h + 32 * half, row_bytes, v);
             for (int shift = 0; shift < 2; shift++) {
                 const int t = 2 * shift + half;
                 for (int j = 0; j < 8; j++)

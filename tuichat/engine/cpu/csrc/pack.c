@@ -19,15 +19,18 @@ const char *pack_layout(int format, int K) {
     if (tiled_path(K)) return "tiles";
     if (tiled_only(format)) return "none";
     if (!int8_path(K)) return "rows";
-#if I8_SIGNED_Q8
+#if I8_MADDUBS
     if (format == FMT_Q8_0) return "signed pairs";
 #endif
     return "pairs";
 }
 
-/* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes: per
- * row the quants (pairs of blocks interleaved for the int8 path, GGUF's order otherwise), then the fp16 scales,
- * then (Q4_1) the fp16 minimums. 0, or -1 for a format or shape it does not take. */
+/* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes. The
+ * rows' layout: per row the quants in GGUF's order, then the fp16 scales, then (Q4_1) the fp16 minimums. The
+ * pairs' (the int8 path, arch/x86/linear_int8.c): rows in quads, and per quad each pair of blocks (A, B) as one
+ * run: the 4 rows' quants (Q4: A's 16 bytes then B's; Q8_0: A's first 16, B's first 16, A's last 16, B's last
+ * 16, + 128 for VNNI), then the 8 scales (A's of rows 0-3, then B's), then (Q4_1) the 8 minimums likewise.
+ * 0, or -1 for a format or shape it does not take. */
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     format = same_layout(format);
     int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
@@ -36,30 +39,41 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     if (tiled_path(K)) return pack_tiles(src, format, N, K, dst);
 #endif
     if (tiled_only(format)) return -1;  /* the tiled path's only */
-    int paired = int8_path(K);
-#if I8_SIGNED_Q8
+    const long row_bytes = (long)blocks * bytes;
+    if (!int8_path(K)) {
+        #pragma omp parallel for schedule(static)
+        for (long n = 0; n < N; n++) {
+            const uint8_t *row = src + n * row_bytes;
+            uint8_t *out = dst + n * row_bytes, *scales = out + (long)blocks * q_bytes;
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *block = row + (long)b * bytes;
+                memcpy(out + (long)b * q_bytes, block + head, q_bytes);
+                memcpy(scales + 2 * b, block, 2);
+                if (format == FMT_Q4_1) memcpy(scales + 2 * blocks + 2 * b, block + 2, 2);
+            }
+        }
+        return 0;
+    }
+    if (N % 4) return -1;
+#if I8_MADDUBS
     const uint8_t flip = 0;
 #else
     const uint8_t flip = format == FMT_Q8_0 ? 0x80 : 0; /* Q8_0's int8 + 128, dpbusd's unsigned side */
 #endif
     #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint8_t *row = src + n * blocks * bytes;
-        uint8_t *out = dst + n * blocks * bytes, *scales = out + (long)blocks * q_bytes;
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *block = row + (long)b * bytes;
-            memcpy(scales + 2 * b, block, 2);
-            if (format == FMT_Q4_1) memcpy(scales + 2 * blocks + 2 * b, block + 2, 2);
-            for (int t = 0; t < q_bytes; t++) {
-                uint8_t v = block[head + t];
-                if (!paired) { out[(long)b * q_bytes + t] = v; continue; }
-                /* byte t of the block: Q4 holds weights t and t + 16; Q8_0 weight t (stored + 128) */
-                int side = b % 2, within = format == FMT_Q8_0 ? t % 16 : t, half = format == FMT_Q8_0 ? t / 16 : 0;
-                long at = (long)(b / 2) * 2 * q_bytes + half * 32 + 8 * (within / 4) + 4 * side + within % 4;
-                out[at] = v ^ flip;
-            }
+    for (long quad = 0; quad < N / 4; quad++)
+        for (int p = 0; p < blocks / 2; p++) {
+            uint8_t *out = dst + quad * 4 * row_bytes + (long)p * 8 * bytes, *scales = out + 4 * 2 * q_bytes;
+            for (int r = 0; r < 4; r++)
+                for (int side = 0; side < 2; side++) {
+                    const uint8_t *block = src + (quad * 4 + r) * row_bytes + (long)(2 * p + side) * bytes;
+                    memcpy(scales + 2 * (4 * side + r), block, 2);
+                    if (format == FMT_Q4_1) memcpy(scales + 16 + 2 * (4 * side + r), block + 2, 2);
+                    for (int t = 0; t < q_bytes; t++) /* Q8_0's halves of 16 alternate between the blocks */
+                        out[2 * q_bytes * r + (format == FMT_Q8_0 ? 32 * (t / 16) + 16 * side + t % 16 : 16 * side + t)] =
+                            block[head + t] ^ flip;
+                }
         }
-    }
     return 0;
 }
 

@@ -3,11 +3,11 @@
  * The inputs are quantized per block of 32 to int8 with one fp32 scale (dx = max|x| / 127), the weights' quants
  * are unsigned bytes (Q4's nibbles, or with VNNI Q8_0's int8 + 128), and a block's dot product is exact in int32:
  *   x . w = dw * dx * sum(q_w * q_x) + m * dx * sum(q_x)    (m: Q4_1's minimum; -8 dw for Q4_0, -128 dw for Q8_0)
- * Without VNNI, Q8_0 keeps the file's signed bytes (I8_SIGNED_Q8): maddubs's int16 pairs would saturate at
+ * Without VNNI, Q8_0 keeps the file's signed bytes (I8_MADDUBS): maddubs's int16 pairs would saturate at
  * 255 * 127 * 2, so it multiplies |q_w| by q_x carrying q_w's sign, at most 128 * 127 * 2, and needs no m.
- * Each dpbusd lane sums 4 products; two blocks share a 32-byte vector, their 4-byte groups alternating, so that
- * lanes 0, 2, 4, 6 hold one block and 1, 3, 5, 7 the other and one 8-byte broadcast carries both blocks' scales.
- * pack_blocks (pack.c) lays the weights out so; quantize_inputs does the same for the inputs. */
+ * Two blocks share a 32-byte vector, one in each 128-bit half (dpbusd or maddubs lanes sum 4 products); the
+ * weights come in quads of rows, each pair of blocks of the 4 rows one run with its 8 scales (pack.c: pack_blocks),
+ * and quantize_inputs lays the inputs out to meet them. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -17,8 +17,8 @@
 #include <immintrin.h>
 int int8_path(int K) { return K % 64 == 0; }
 
-/* The int32 sums of a pair of blocks (alternating lanes) of weights lo and hi (each block's weights 0..15 and
- * 16..31) times the inputs xlo and xhi. */
+/* The int32 sums of a pair of blocks (lanes 0-3 block A, 4-7 block B) of weights lo and hi (each block's weights
+ * 0..15 and 16..31) times the inputs xlo and xhi. */
 static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, const int q8) {
     (void)q8;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -36,9 +36,16 @@ static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi,
 #endif
 }
 
-/* Input row m: int8 quants in pairs of blocks (64 bytes a pair: weights 0..15 of both, then 16..31, groups of 4
- * alternating), and per block dx and sx = dx * sum(q), rows `stride` blocks apart (padded to 8, with zeros). */
-typedef struct { int8_t *q; float *dx, *sx; } quantized_inputs;
+/* Input row m, a pair of blocks (A, B) at a time: 64 int8 quants (A's inputs 0..15, B's 0..15, A's 16..31, B's
+ * 16..31: a weight pair's lo and hi meet them lane for lane) and 16 floats, the lanes the tiles multiply: dx of A
+ * four times, of B four times, then sx = dx * sum(q) likewise. */
+typedef struct {
+    int8_t *q;
+    float *scales;
+    long row_step, pair_step; /* (m, p)'s slot: m * row_step + p * pair_step; the GEMM reads one pair of all rows */
+} quantized_inputs;
+
+static inline long slot(const quantized_inputs *in, int m, int p) { return m * in->row_step + p * in->pair_step; }
 
 /* 16 values (two vectors of 8 floats) times id, rounded to nearest even, as 16 int8 in order. */
 static inline __m128i to_int8(__m256 a, __m256 b, __m256 id, __m256i *sum) {
@@ -53,8 +60,7 @@ static inline __m256 bf16x8(const uint16_t *p) {
 }
 
 /* Input rows [first, last) (bf16, or fp32 with f32) into `out`, a pair of blocks at a time (K % 64 == 0). */
-static void quantize_inputs(const void *x, int f32, int first, int last, int K, long x_stride, quantized_inputs *out,
-                            int stride) {
+static void quantize_inputs(const void *x, int f32, int first, int last, int K, long x_stride, quantized_inputs *out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = first; m < last; m++) {
         const uint16_t *row = (const uint16_t *)x + (long)m * x_stride;
@@ -77,28 +83,15 @@ static void quantize_inputs(const void *x, int f32, int first, int last, int K, 
                 __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                out->dx[(long)m * stride + b] = d;
-                out->sx[(long)m * stride + b] = d * (float)_mm_cvtsi128_si32(s4);
+                float *lanes = out->scales + slot(out, m, p) * 16 + 4 * side;
+                _mm_storeu_ps(lanes, _mm_set1_ps(d));
+                _mm_storeu_ps(lanes + 8, _mm_set1_ps(d * (float)_mm_cvtsi128_si32(s4)));
             }
-            int8_t *pair = out->q + (long)m * K + (long)p * 64;
-            for (int h = 0; h < 2; h++) {  /* the two blocks' groups of 4 alternate */
-                _mm_storeu_si128((__m128i *)(pair + 32 * h), _mm_unpacklo_epi32(halves[0][h], halves[1][h]));
-                _mm_storeu_si128((__m128i *)(pair + 32 * h + 16), _mm_unpackhi_epi32(halves[0][h], halves[1][h]));
-            }
+            int8_t *pair = out->q + slot(out, m, p) * 64;
+            for (int h = 0; h < 2; h++)
+                for (int side = 0; side < 2; side++) _mm_storeu_si128((__m128i *)(pair + 32 * h + 16 * side), halves[side][h]);
         }
-        for (int b = K / 32; b < stride; b++) out->dx[(long)m * stride + b] = out->sx[(long)m * stride + b] = 0.0f;
     }
-}
-
-/* The first n (even) of 8 halves at p, zeros after, loaded without reading past them or through memory (a
- * partial copy to the stack, then a full load, waited for the store every tile). */
-static inline __m128i first_halves(const uint8_t *p, int n) {
-    if (n >= 8) return _mm_loadu_si128((const __m128i *)p);
-    __m128i v = n >= 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_setzero_si128();
-    if (n % 4 == 0) return v;
-    int32_t two;
-    memcpy(&two, p + 2 * (n - 2), 4);
-    return n == 2 ? _mm_insert_epi32(v, two, 0) : _mm_insert_epi32(v, two, 2);
 }
 
 /* A decode streams each thread's rows from DRAM: asking this far ahead, into L2, keeps enough loads in flight (as
@@ -106,119 +99,202 @@ static inline __m128i first_halves(const uint8_t *p, int n) {
 #define I8_AHEAD 8192
 #define I8_HINT _MM_HINT_T2
 
-/* NR weight rows times mr input rows. A row's fp16 scales are read in place: one 4-byte broadcast converts a
- * pair's two scales into the alternating lanes they multiply. */
+/* Each output's arithmetic, whichever kernel runs it (so a row's result does not depend on its batch): per block
+ * the exact int32 sum S of q_w * q_x, and per side of the pairs (A: the even blocks, B: the odd ones) in the
+ * blocks' order o = fma(S, dw * dx, o), then o = fma(m, sx, o); the output is o_A + o_B (+ the bias). */
+
+/* A quad's 4 weight rows times mr input rows. The 4 rows' pair sums are reduced (hadds) to one vector, lanes
+ * (row, side) as the pack lays out the scales: one conversion and two fmas a pair for the 4 rows. */
 #define I8_NR 4
 #if defined(__AVX512VL__)
-#define I8_MR 4 /* 16 accumulators of 32 registers */
+#define I8_MR 4
 #else
-#define I8_MR 2 /* 8 accumulators of 16 registers: some spill, still faster than one input row a pass */
+#define I8_MR 2 /* AVX2's 16 registers */
 #endif
-static inline __attribute__((always_inline)) void int8_tile(const uint8_t *w, long row_bytes, const int format,
+static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad, const int format, int pairs,
                                                             const quantized_inputs *in, const uint16_t *bias,
-                                                            void *y, int K, long y_stride, int n0, int m0,
-                                                            const int mr, int f32) {
-    const int blocks = K / 32, stride = (blocks + 7) / 8 * 8, pair_bytes = format == FMT_Q8_0 ? 64 : 32;
-    const int bytes = block_bytes(format);
-    const long quant_bytes = format == FMT_Q8_0 ? K : K / 2;
+                                                            void *y, long y_stride, int n0, int m0, const int mr,
+                                                            int f32) {
+    const int q_bytes = format == FMT_Q8_0 ? 64 : 32, pair_bytes = 8 * block_bytes(format);
     const __m256i low = _mm256_set1_epi8(15);
-    /* The minimums' term, sum over blocks of m * sx (Q4_1's own m, else a multiple of the scale), first and into
-     * memory: with its loops after the main one, GCC kept the accumulators in memory, two stores a pass each. */
-    const long m_offset = quant_bytes + (format == FMT_Q4_1 ? 2 * blocks : 0);
-    _Alignas(32) float minimums[I8_MR][I8_NR][8];
-    for (int j = 0; j < mr; j++)
+    __m256 acc[I8_MR];
+    for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const uint8_t *at = quad + (long)p * pair_bytes;
+        /* a thread's quads lie one after another: one stream, asked for I8_AHEAD on */
+        for (int line = 0; line < pair_bytes; line += 64) _mm_prefetch((const char *)at + I8_AHEAD + line, I8_HINT);
+        __m256i sums[I8_MR], part[I8_MR];
         for (int i = 0; i < I8_NR; i++) {
-            if (format == FMT_Q8_0 && I8_SIGNED_Q8) break; /* no minimum */
-            const float *sx = in->sx + (long)(m0 + j) * stride;
-            const uint8_t *m = w + (n0 + i) * row_bytes + m_offset;
-            __m256 minimum = _mm256_setzero_ps();
-            for (int b = 0; b < stride; b += 8)  /* sx is zero past the last block; the minimums are not there */
-                minimum = _mm256_fmadd_ps(_mm256_cvtph_ps(first_halves(m + 2 * b, blocks - b)), _mm256_loadu_ps(sx + b), minimum);
-            _mm256_store_ps(minimums[j][i], minimum);
-        }
-    __m256 acc[I8_NR][I8_MR];
-    for (int i = 0; i < I8_NR; i++)
-        for (int j = 0; j < mr; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int p = 0; p < blocks / 2; p++) {
-        /* The tile's rows lie one after another, and a thread's tiles too: one stream, asked for I8_AHEAD on */
-        const char *ahead = (const char *)w + n0 * row_bytes + (long)p * I8_NR * 2 * bytes + I8_AHEAD;
-        for (int line = 0; line < I8_NR * 2 * bytes; line += 64) _mm_prefetch(ahead + line, I8_HINT);
-        /* A row at a time (its vectors dead before the next row's): 16 registers hold AVX2's tile */
-        __m256i xlo[I8_MR], xhi[I8_MR];
-        __m256 dx[I8_MR];
-        for (int j = 0; j < mr; j++) {
-            const int8_t *q = in->q + (long)(m0 + j) * K + (long)p * 64;
-            xlo[j] = _mm256_loadu_si256((const __m256i *)q);
-            xhi[j] = _mm256_loadu_si256((const __m256i *)(q + 32));
-            dx[j] = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&in->dx[(long)(m0 + j) * stride + 2 * p]));
-        }
-        for (int i = 0; i < I8_NR; i++) {
-            const uint8_t *row = w + (n0 + i) * row_bytes, *quants = row + (long)p * pair_bytes;
+            const uint8_t *q = at + i * q_bytes;
             __m256i lo, hi;
             if (format == FMT_Q8_0) {
-                lo = _mm256_loadu_si256((const __m256i *)quants);
-                hi = _mm256_loadu_si256((const __m256i *)(quants + 32));
+                lo = _mm256_loadu_si256((const __m256i *)q);
+                hi = _mm256_loadu_si256((const __m256i *)(q + 32));
             } else {
-                __m256i v = _mm256_loadu_si256((const __m256i *)quants);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)q);
                 lo = _mm256_and_si256(v, low);
                 hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
-            int32_t halves;
-            memcpy(&halves, row + quant_bytes + 4 * p, 4);
-            const __m256 scale = _mm256_cvtph_ps(_mm_set1_epi32(halves));
             for (int j = 0; j < mr; j++) {
-                __m256i sums = pair_dot(lo, hi, xlo[j], xhi[j], format == FMT_Q8_0);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, dx[j]), acc[i][j]);
+                const int8_t *x = in->q + slot(in, m0 + j, p) * 64;
+                const __m256i dot = pair_dot(lo, hi, _mm256_loadu_si256((const __m256i *)x),
+                                             _mm256_loadu_si256((const __m256i *)(x + 32)), format == FMT_Q8_0);
+                /* rows 0, 1 and 2, 3 pairwise, then the two: lane k of a 128-bit half holds row k's S */
+                if (i == 0 || i == 2) part[j] = dot;
+                else if (i == 1) sums[j] = _mm256_hadd_epi32(part[j], dot);
+                else sums[j] = _mm256_hadd_epi32(sums[j], _mm256_hadd_epi32(part[j], dot));
             }
         }
-    }
-    /* The minimums' term, sum over blocks of m * sx: Q4_1's own m, else a multiple of the scale. Then the four
-     * rows' sums at once: one reduction tree, the bias, (bf16 rounding,) one store. */
-    /* The four rows' sums at once: one reduction tree, the bias, (bf16 rounding,) one store. */
-    const __m256 factor = _mm256_set1_ps(format == FMT_Q4_1 ? 1.0f : format == FMT_Q8_0 ? -128.0f : -8.0f);
-    __m128 add = _mm_setzero_ps();
-    if (bias)
-        for (int i = 0; i < I8_NR; i++) add[i] = bf16_to_float(bias[n0 + i]);
-    for (int j = 0; j < mr; j++) {
-        __m256 total[I8_NR];
-        for (int i = 0; i < I8_NR; i++)
-            total[i] = format == FMT_Q8_0 && I8_SIGNED_Q8 ? acc[i][j]
-                                                          : _mm256_fmadd_ps(_mm256_load_ps(minimums[j][i]), factor, acc[i][j]);
-        __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(total[0], total[1]), _mm256_hadd_ps(total[2], total[3]));
-        __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)), add);
-        if (f32) {
-            _mm_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, sums);
-            continue;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 4 * q_bytes)));
+        const __m256 m = format == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 4 * q_bytes + 16)))
+                                            : _mm256_mul_ps(d, _mm256_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f));
+        for (int j = 0; j < mr; j++) {
+            const float *xs = in->scales + slot(in, m0 + j, p) * 16;
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(d, _mm256_loadu_ps(xs)), acc[j]);
+            if (!(format == FMT_Q8_0 && I8_MADDUBS)) acc[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + 8), acc[j]);
         }
-        __m128i u = _mm_castps_si128(sums);  /* to bf16, nearest even, as to_bf16 */
-        __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)),
-                                                       _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))), 16);
-        __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(sums, sums));
-        rounded = _mm_blendv_epi8(rounded, _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40)), nan);
-        __m128i packed = _mm_packus_epi32(rounded, rounded);
-        _mm_storel_epi64((__m128i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), packed);
+    }
+    for (int j = 0; j < mr; j++) {
+        float out[4];
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1)));
+        store_outputs(out, I8_NR, bias, y, (long)(m0 + j) * y_stride, n0, f32);
     }
 }
 
+#if I8_MADDUBS
+/* More input rows (prefill, several tabs): a GEMM over 8 weight rows (two quads), as linear_kquant.c's. Each
+ * pair of blocks of the 8 rows is unpacked once (an 8 x 8 dword transpose) into vectors of 4 weights, lane r
+ * weight row r; each meets 4 inputs, broadcast, with maddubs, and a block's 8 products a lane add up in int16
+ * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 16. Q4 only:
+ * Q8_0's signed products fill the int16 lanes. */
+#define IG_ROWS 8
+#define IG_MR 4     /* input rows per pass over an unpacked pair */
+#define IG_MIN_M 8  /* input rows from which it beats the tiles */
+#define IG_AHEAD 4  /* pairs ahead that it prefetches */
+
+typedef struct {
+    __m256i w[2][8]; /* [side][group of 4 weights]: lane r, row r's */
+    __m256 d[2], m[2];
+} ig_pair;
+
+/* Four halves at a and four at b as 8 floats. */
+static inline __m256 halves_2x4(const uint8_t *a, const uint8_t *b) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+
+static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const int format, ig_pair *u) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256i v[8];
+    transpose_8x8(quad0, quad1, 32, v); /* dwords 0-3: A's bytes (weights 4k.. low, 16 + 4k.. high), 4-7: B's */
+    for (int side = 0; side < 2; side++)
+        for (int k = 0; k < 4; k++) {
+            u->w[side][k] = _mm256_and_si256(v[4 * side + k], nib);
+            u->w[side][k + 4] = _mm256_and_si256(_mm256_srli_epi16(v[4 * side + k], 4), nib);
+        }
+    for (int side = 0; side < 2; side++) {
+        u->d[side] = halves_2x4(quad0 + 128 + 8 * side, quad1 + 128 + 8 * side);
+        u->m[side] = format == FMT_Q4_1 ? halves_2x4(quad0 + 144 + 8 * side, quad1 + 144 + 8 * side)
+                                        : _mm256_mul_ps(u->d[side], _mm256_set1_ps(-8.0f));
+    }
+}
+
+static inline __m256i x_four(const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* Input rows m0.. against an unpacked pair: out holds per input row o_A's 8 lanes, then o_B's. */
+static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, const quantized_inputs *in, int pairs,
+                                                          int p, int m0, const int mr, float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int side = 0; side < 2; side++) {
+        __m256i s16[IG_MR];
+        for (int g = 0; g < 8; g++) {
+            const __m256i w = u->w[side][g];
+            for (int j = 0; j < mr; j++) {
+                const int8_t *x = in->q + slot(in, m0 + j, p) * 64 + 32 * (g / 4) + 16 * side + 4 * (g % 4);
+                const __m256i d = _mm256_maddubs_epi16(w, x_four(x));
+                s16[j] = g == 0 ? d : _mm256_add_epi16(s16[j], d);
+                __asm__("" : "+x"(s16[j])); /* one chain a row: GCC's tree of these adds spills */
+            }
+        }
+        for (int j = 0; j < mr; j++) {
+            const float *xs = in->scales + slot(in, m0 + j, p) * 16;
+            float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side;
+            __m256 acc = _mm256_loadu_ps(o);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j], ones)),
+                                  _mm256_mul_ps(u->d[side], _mm256_broadcast_ss(xs + 4 * side)), acc);
+            acc = _mm256_fmadd_ps(u->m[side], _mm256_broadcast_ss(xs + 8 + 4 * side), acc);
+            _mm256_storeu_ps(o, acc);
+        }
+    }
+}
+
+static void ig_tile(const uint8_t *w, long row_bytes, const int format, int pairs, const quantized_inputs *in, int M,
+                    int n0, ig_pair *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
+    memset(out, 0, sizeof(float) * 2 * IG_ROWS * (size_t)M);
+    const int pair_bytes = 8 * block_bytes(format), full = M / IG_MR * IG_MR;
+    const uint8_t *quad0 = w + (long)n0 * row_bytes, *quad1 = quad0 + 4 * row_bytes;
+    for (int p = 0; p < pairs; p++) {
+        if (p + IG_AHEAD < pairs)
+            for (int line = 0; line < pair_bytes + 64; line += 64) {
+                _mm_prefetch((const char *)quad0 + (long)(p + IG_AHEAD) * pair_bytes + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)quad1 + (long)(p + IG_AHEAD) * pair_bytes + line, _MM_HINT_T0);
+            }
+        ig_unpack(quad0 + (long)p * pair_bytes, quad1 + (long)p * pair_bytes, format, u);
+        for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, out);
+        switch (M - full) {
+            case 1: ig_rows(u, in, pairs, p, full, 1, out); break;
+            case 2: ig_rows(u, in, pairs, p, full, 2, out); break;
+            case 3: ig_rows(u, in, pairs, p, full, 3, out); break;
+            default: break;
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float *o = out + (long)m * 2 * IG_ROWS;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_loadu_ps(o + IG_ROWS)));
+        store_outputs(o, IG_ROWS, bias, y, (long)m * y_stride, n0, f32);
+    }
+}
+#endif
+
 int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                 int N, int K, long x_stride, long y_stride, int threads, int f32) {
-    int blocks = K / 32, padded = (blocks + 7) / 8 * 8;  /* each input row's dx and sx, padded to 8 */
-    long row_bytes = (long)blocks * block_bytes(format), floats = (long)M * padded;
-    char *memory = scratch_reserve(s, SCRATCH_LINEAR, (size_t)M * K + 2 * sizeof(float) * floats);
+    const int pairs = K / 64;
+    const long row_bytes = (long)(K / 32) * block_bytes(format);
+    const size_t x_bytes = ((size_t)M * K + sizeof(float) * 16 * (size_t)M * pairs + 63) / 64 * 64;
+#if I8_MADDUBS
+    const int gemm = format != FMT_Q8_0 && M >= IG_MIN_M && N % IG_ROWS == 0;
+    const size_t own = (sizeof(ig_pair) + sizeof(float) * 2 * IG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
+#else
+    const int gemm = 0;
+    const size_t own = 0;
+#endif
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + (gemm ? own * threads + 64 : 0));
     if (!memory) return -2;
-    quantized_inputs in = {(int8_t *)(memory + 2 * sizeof(float) * floats), (float *)memory, (float *)memory + floats};
-    int full = M / I8_MR * I8_MR;
+    quantized_inputs in = {(int8_t *)memory, (float *)(memory + (size_t)M * K), gemm ? 1 : pairs, gemm ? M : 1};
+    const int full = M / I8_MR * I8_MR;
     #pragma omp parallel num_threads(threads)
     {
-    int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
-    quantize_inputs(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, &in, padded);
+    const int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
+    quantize_inputs(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, &in);
     #pragma omp barrier
-    #pragma omp for schedule(static)
+#if I8_MADDUBS
+    if (gemm) {
+        char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
+        #pragma omp for schedule(static) nowait
+        for (int t = 0; t < N / IG_ROWS; t++)
+            ig_tile(w, row_bytes, format, pairs, &in, M, t * IG_ROWS, (ig_pair *)mine,
+                    (float *)(mine + sizeof(ig_pair)), bias, y, y_stride, f32);
+    } else
+#endif
+    #pragma omp for schedule(static) nowait
     for (int t = 0; t < N / I8_NR; t++) {
-        const int n0 = t * I8_NR;
-#define I4_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
-#define I4_1_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q4_1, &in, bias, y, K, y_stride, n0, m0, mr, f32)
-#define I8_0_TILE(mr, m0) int8_tile(w, row_bytes, FMT_Q8_0, &in, bias, y, K, y_stride, n0, m0, mr, f32)
+        const uint8_t *quad = w + (long)t * I8_NR * row_bytes;
+#define I4_0_TILE(mr, m0) int8_tile(quad, FMT_Q4_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
+#define I4_1_TILE(mr, m0) int8_tile(quad, FMT_Q4_1, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
+#define I8_0_TILE(mr, m0) int8_tile(quad, FMT_Q8_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
 #define I8_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += I8_MR) TILE(I8_MR, m0); \
