@@ -270,11 +270,11 @@ def test_q4_k_and_q6_k_are_read_from_the_files_map(kernel, kquant, plain):
         tensor = tensors[gguf_name(module_name)]
         address = weight.data.data_ptr()
         qk = module_name.endswith(("q_proj", "k_proj"))
-        if int(tensor.tensor_type) in (Q5_0, Q5_1):  # in tiles of their own bytes where those are built, else re-cut
+        if int(tensor.tensor_type) in (Q5_0, Q5_1):  # in their own bytes where tiles or pairs take them, else re-cut
             qtype, recut = int(tensor.tensor_type), quant.RECUT[int(tensor.tensor_type)]
-            if kernel.layout(qtype, weight.in_features) == "tiles":
+            if kernel.layout(qtype, weight.in_features) in ("tiles", "pairs"):
                 assert weight.format == qtype, module_name
-            else:  # re-cut where the kernels take that, else bf16 (an AVX2 build)
+            else:  # re-cut where the kernels take that, else bf16 (no AVX2)
                 assert weight.format == (recut if kernel.layout(recut, weight.in_features) != "none" else BF16), module_name
         if kernel.layout(int(tensor.tensor_type), weight.in_features) == "in place" and not qk:  # Q5_K too on AVX2
             assert address == start + int(tensor.data_offset), module_name

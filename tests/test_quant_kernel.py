@@ -13,7 +13,7 @@ import torch
 from tuichat.engine import quant
 
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q5_1": 7}
-FIVE_BIT = (6, 7)  # the tiled path's only: a build without it re-cuts them (test_mapped, test_gguf_engine)
+FIVE_BIT = (6, 7)  # the tiles' and the pairs' only: a build with neither re-cuts them (test_mapped, test_gguf_engine)
 
 
 def quantized(format: int, n: int, k: int, seed: int):
@@ -71,11 +71,12 @@ def reference(x: torch.Tensor, blocks: np.ndarray, format: int, k: int, method: 
 
 
 def packed(kernels, blocks: np.ndarray, fmt: int, k: int):
-    """The blocks laid out for `kernels`; a 5-bit format on a build without the tiled path is refused (skipped)."""
-    if fmt in FIVE_BIT and kernels.layout(fmt, k) != "tiles":
+    """The blocks laid out for `kernels`; a 5-bit format where neither the tiles nor the pairs take it (no AVX2, or
+    K not a multiple of 64 without the tiles) is refused (skipped)."""
+    if fmt in FIVE_BIT and kernels.layout(fmt, k) not in ("tiles", "pairs"):
         with pytest.raises(ValueError):
             kernels.pack(blocks, fmt, k)
-        pytest.skip("Q5_0 and Q5_1 in their own blocks are the tiled path's (512-bit VNNI builds); others re-cut them")
+        pytest.skip("Q5_0 and Q5_1 in their own blocks are the tiles' (512-bit VNNI) and the pairs' (AVX2, K % 64 == 0)")
     return kernels.pack(blocks, fmt, k)
 
 

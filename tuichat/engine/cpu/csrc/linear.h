@@ -83,7 +83,7 @@ float *widen_rows(const void *x, int f32, int M, int K, long x_stride);
  * scale d, then (Q4_1) every block's fp16 minimum m. Weight = d * q + m; Q4_0: d * (q - 8); Q8_0: d * q. */
 enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_BF16 = 30 };  /* ggml's type numbers */
 /* Q5_0 (fp16 d, 4 bytes of fifth bits, 16 of nibbles: weight = d * (q - 16)) and Q5_1 (fp16 d and m, then the
- * same: d * q + m) in their own 22 and 24 bytes: the tiled path's only (linear_vnni512.c). */
+ * same: d * q + m) in their own 22 and 24 bytes: the tiled path's (linear_vnni512.c) or the pairs'. */
 enum { FMT_Q5_0 = 6, FMT_Q5_1 = 7 };
 /* Blocks re-cut at load (quant.py: recut), 100 + ggml's number of the type they came from. Q4_K, Q5_K, Q5_0 and
  * Q5_1: the scale and minimum each block of 32 weights really has (d * sc and -dmin * m, d and -16 d, d and m:
@@ -95,8 +95,9 @@ enum { FMT_Q5_0_32 = 106, FMT_Q5_1_32 = 107, FMT_Q4_K_32 = 112, FMT_Q5_K_32 = 11
 static inline int same_layout(int format) { return format == FMT_Q5_0_32 || format == FMT_Q5_1_32 ? FMT_Q5_K_32 : format; }
 static inline int from_k_quant(int format) { return format >= FMT_Q4_K_32 && format <= FMT_Q6_K_32; }
 static inline int five_bit(int format) { return format == FMT_Q5_0 || format == FMT_Q5_1; }
-/* Formats only the tiled path takes: the re-cut ones and the 5-bit ones in their own blocks. */
-static inline int tiled_only(int format) { return from_k_quant(format) || five_bit(format); }
+/* Formats only the tiled path takes: the re-cut ones. (The 5-bit ones in their own blocks take the tiled or the
+ * pairs' layout, not the rows'.) */
+static inline int tiled_only(int format) { return from_k_quant(format); }
 static inline int k_block_bytes(int format) {
     return format == FMT_Q4_K_32 ? 24 : format == FMT_Q5_K_32 ? 40 : format == FMT_Q6_K_32 ? 36 : 0;
 }
@@ -107,6 +108,8 @@ static inline int block_bytes(int format) {
         case FMT_Q4_0: return 18;
         case FMT_Q4_1: return 20;
         case FMT_Q8_0: return 34;
+        case FMT_Q5_0: return 22;
+        case FMT_Q5_1: return 24;
         default: return 0;
     }
 }

@@ -129,6 +129,7 @@ int quantized_linear(scratch *s, const void *x, const uint8_t *w, int format, co
     format = same_layout(format);
     if (M < 1 || M > 512 || K % 32 || N % 16 || K / 32 > MAX_BLOCKS) return -1;
     if (!block_bytes(format) && !(tiled_only(format) && tiled_path(K))) return -1;
+    if (five_bit(format) && !tiled_path(K) && !int8_path(K)) return -1; /* no rows layout */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (tiled_path(K)) return tiled_linear(s, x, w, format, bias, y, M, N, K, x_stride, y_stride, threads, f32);
 #endif

@@ -18,7 +18,7 @@ const char *pack_layout(int format, int K) {
     format = same_layout(format);
     if (tiled_path(K)) return "tiles";
     if (tiled_only(format)) return "none";
-    if (!int8_path(K)) return "rows";
+    if (!int8_path(K)) return five_bit(format) ? "none" : "rows";
 #if I8_MADDUBS
     if (format == FMT_Q8_0) return "signed pairs";
 #endif
@@ -28,12 +28,14 @@ const char *pack_layout(int format, int K) {
 /* GGUF blocks (N rows of K / 32 blocks) into the layout quantized_linear reads, the same number of bytes. The
  * rows' layout: per row the quants in GGUF's order, then the fp16 scales, then (Q4_1) the fp16 minimums. The
  * pairs' (the int8 path, arch/x86/linear_int8.c): rows in quads, and per quad each pair of blocks (A, B) as one
- * run: the 4 rows' quants (Q4: A's 16 bytes then B's; Q8_0: A's first 16, B's first 16, A's last 16, B's last
- * 16, + 128 for VNNI), then the 8 scales (A's of rows 0-3, then B's), then (Q4_1) the 8 minimums likewise.
+ * run: the 4 rows' quants (Q4: A's 16 bytes then B's; Q5: the same, then A's 4 bytes of fifth bits and B's; Q8_0:
+ * A's first 16, B's first 16, A's last 16, B's last 16, + 128 for VNNI), then the 8 scales (A's of rows 0-3, then
+ * B's), then (Q4_1, Q5_1) the 8 minimums likewise.
  * 0, or -1 for a format or shape it does not take. */
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     format = same_layout(format);
-    int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 ? 4 : 2, q_bytes = bytes - head;
+    const int bytes = block_bytes(format), blocks = K / 32, head = format == FMT_Q4_1 || format == FMT_Q5_1 ? 4 : 2;
+    const int q_bytes = bytes - head; /* Q5: its 4 bytes of fifth bits, then the nibbles */
     if ((!bytes && !tiled_only(format)) || K % 32 || blocks > MAX_BLOCKS) return -1;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (tiled_path(K)) return pack_tiles(src, format, N, K, dst);
@@ -41,6 +43,7 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     if (tiled_only(format)) return -1;  /* the tiled path's only */
     const long row_bytes = (long)blocks * bytes;
     if (!int8_path(K)) {
+        if (five_bit(format)) return -1;
         #pragma omp parallel for schedule(static)
         for (long n = 0; n < N; n++) {
             const uint8_t *row = src + n * row_bytes;
@@ -67,11 +70,16 @@ int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
             for (int r = 0; r < 4; r++)
                 for (int side = 0; side < 2; side++) {
                     const uint8_t *block = src + (quad * 4 + r) * row_bytes + (long)(2 * p + side) * bytes;
+                    uint8_t *row = out + 2 * q_bytes * r;
                     memcpy(scales + 2 * (4 * side + r), block, 2);
-                    if (format == FMT_Q4_1) memcpy(scales + 16 + 2 * (4 * side + r), block + 2, 2);
+                    if (head == 4) memcpy(scales + 16 + 2 * (4 * side + r), block + 2, 2);
+                    if (five_bit(format)) { /* the two blocks' nibbles (32 bytes), then their fifth bits (8) */
+                        memcpy(row + 16 * side, block + head + 4, 16);
+                        memcpy(row + 32 + 4 * side, block + head, 4);
+                        continue;
+                    }
                     for (int t = 0; t < q_bytes; t++) /* Q8_0's halves of 16 alternate between the blocks */
-                        out[2 * q_bytes * r + (format == FMT_Q8_0 ? 32 * (t / 16) + 16 * side + t % 16 : 16 * side + t)] =
-                            block[head + t] ^ flip;
+                        row[format == FMT_Q8_0 ? 32 * (t / 16) + 16 * side + t % 16 : 16 * side + t] = block[head + t] ^ flip;
                 }
         }
     return 0;

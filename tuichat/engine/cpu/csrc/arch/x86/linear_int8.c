@@ -1,8 +1,10 @@
 /* int8 dot products over pairs of blocks (AVX512-VNNI, AVX-VNNI, or AVX2's maddubs), as llama.cpp computes Q4_0,
- * Q4_1 and Q8_0; quantized_linear (linear_quant.c) runs them where the tiled path does not.
+ * Q4_1 and Q8_0 (and Q5_0, Q5_1); quantized_linear (linear_quant.c) runs them where the tiled path does not.
  * The inputs are quantized per block of 32 to int8 with one fp32 scale (dx = max|x| / 127), the weights' quants
- * are unsigned bytes (Q4's nibbles, or with VNNI Q8_0's int8 + 128), and a block's dot product is exact in int32:
- *   x . w = dw * dx * sum(q_w * q_x) + m * dx * sum(q_x)    (m: Q4_1's minimum; -8 dw for Q4_0, -128 dw for Q8_0)
+ * are unsigned bytes (Q4's nibbles, Q5's 5 bits, or with VNNI Q8_0's int8 + 128), and a block's dot product is
+ * exact in int32:
+ *   x . w = dw * dx * sum(q_w * q_x) + m * dx * sum(q_x)    (m: Q4_1's and Q5_1's minimum; -8 dw for Q4_0, -16 dw
+ *                                                            for Q5_0, -128 dw for Q8_0)
  * Without VNNI, Q8_0 keeps the file's signed bytes (I8_MADDUBS): maddubs's int16 pairs would saturate at
  * 255 * 127 * 2, so it multiplies |q_w| by q_x carrying q_w's sign, at most 128 * 127 * 2, and needs no m.
  * Two blocks share a 32-byte vector, one in each 128-bit half (dpbusd or maddubs lanes sum 4 products); the
@@ -31,7 +33,7 @@ static inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi,
         return _mm256_add_epi32(
             _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xlo, lo)), ones),
             _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xhi, hi)), ones));
-    /* nibbles: int16 pairs up to 15 * 127 * 2, so the halves add in int16 before the one widening */
+    /* Q4, Q5: int16 pairs up to 31 * 127 * 2, so the halves add in int16 before the one widening */
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
 #endif
 }
@@ -94,6 +96,21 @@ static void quantize_inputs(const void *x, int f32, int first, int last, int K, 
     }
 }
 
+/* Q5's fifth bits (8 bytes at qh: block A's 32, then B's) into lo (each block's weights 0..15) and hi (16..31) as
+ * 16s: each byte picks its weight's byte of qh, then tests its bit. */
+static inline void add_fifth_bits(const uint8_t *qh, __m256i *lo, __m256i *hi) {
+    int64_t both;
+    memcpy(&both, qh, 8);
+    const __m256i bits = _mm256_set1_epi64x(both), test = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i low = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5);
+    const __m256i high = _mm256_add_epi8(low, _mm256_set1_epi8(2)), sixteen = _mm256_set1_epi8(16);
+    const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(bits, low), test);
+    const __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(bits, high), test);
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, test), sixteen));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(h, test), sixteen));
+}
+
 /* A decode streams each thread's rows from DRAM: asking this far ahead, into L2, keeps enough loads in flight (as
  * linear_kquant.c's row tiles do). */
 #define I8_AHEAD 8192
@@ -115,7 +132,7 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
                                                             const quantized_inputs *in, const uint16_t *bias,
                                                             void *y, long y_stride, int n0, int m0, const int mr,
                                                             int f32) {
-    const int q_bytes = format == FMT_Q8_0 ? 64 : 32, pair_bytes = 8 * block_bytes(format);
+    const int q_bytes = format == FMT_Q8_0 ? 64 : five_bit(format) ? 40 : 32, pair_bytes = 8 * block_bytes(format);
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[I8_MR];
     for (int j = 0; j < mr; j++) acc[j] = _mm256_setzero_ps();
@@ -134,6 +151,7 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
                 const __m256i v = _mm256_loadu_si256((const __m256i *)q);
                 lo = _mm256_and_si256(v, low);
                 hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five_bit(format)) add_fifth_bits(q + 32, &lo, &hi);
             }
             for (int j = 0; j < mr; j++) {
                 const int8_t *x = in->q + slot(in, m0 + j, p) * 64;
@@ -146,8 +164,9 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 4 * q_bytes)));
-        const __m256 m = format == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 4 * q_bytes + 16)))
-                                            : _mm256_mul_ps(d, _mm256_set1_ps(format == FMT_Q8_0 ? -128.0f : -8.0f));
+        const __m256 m = format == FMT_Q4_1 || format == FMT_Q5_1
+                             ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 4 * q_bytes + 16)))
+                             : _mm256_mul_ps(d, _mm256_set1_ps(format == FMT_Q8_0 ? -128.0f : format == FMT_Q5_0 ? -16.0f : -8.0f));
         for (int j = 0; j < mr; j++) {
             const float *xs = in->scales + slot(in, m0 + j, p) * 16;
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(d, _mm256_loadu_ps(xs)), acc[j]);
@@ -265,7 +284,7 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
     const long row_bytes = (long)(K / 32) * block_bytes(format);
     const size_t x_bytes = ((size_t)M * K + sizeof(float) * 16 * (size_t)M * pairs + 63) / 64 * 64;
 #if I8_MADDUBS
-    const int gemm = format != FMT_Q8_0 && M >= IG_MIN_M && N % IG_ROWS == 0;
+    const int gemm = (format == FMT_Q4_0 || format == FMT_Q4_1) && M >= IG_MIN_M && N % IG_ROWS == 0;
     const size_t own = (sizeof(ig_pair) + sizeof(float) * 2 * IG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
@@ -295,6 +314,8 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
 #define I4_0_TILE(mr, m0) int8_tile(quad, FMT_Q4_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
 #define I4_1_TILE(mr, m0) int8_tile(quad, FMT_Q4_1, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
 #define I8_0_TILE(mr, m0) int8_tile(quad, FMT_Q8_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
+#define I5_0_TILE(mr, m0) int8_tile(quad, FMT_Q5_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
+#define I5_1_TILE(mr, m0) int8_tile(quad, FMT_Q5_1, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
 #define I8_TILES(TILE) \
     do { \
         for (int m0 = 0; m0 < full; m0 += I8_MR) TILE(I8_MR, m0); \
@@ -303,6 +324,8 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
         switch (format) {
             case FMT_Q4_0: I8_TILES(I4_0_TILE); break;
             case FMT_Q4_1: I8_TILES(I4_1_TILE); break;
+            case FMT_Q5_0: I8_TILES(I5_0_TILE); break;
+            case FMT_Q5_1: I8_TILES(I5_1_TILE); break;
             default: I8_TILES(I8_0_TILE); break;
         }
     }
