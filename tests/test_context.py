@@ -66,7 +66,8 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns_once(ti
     assert "trimmed to fit the context" in usage.cache_miss
     # The turns before and after: nothing dropped before; after, the same turns stay out and all that was
     # kept (the prompt and reply, in full blocks) comes from the cache.
-    assert all(not u.dropped_messages and u.cache_miss is None for _, u in usages[1:first_trim])
+    before = [(u.dropped_messages, u.cache_miss) for _, u in usages[1:first_trim]]
+    assert all(not gone and miss is None for gone, miss in before), before  # the reasons, if one misses
     previous = usage
     for _, after in usages[first_trim + 1:]:
         if after.dropped_messages != previous.dropped_messages:
