@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
 /* More input rows (prefill, several tabs): a GEMM over 8 weight rows (two quads), as linear_kquant.c's. Each
  * pair of blocks of the 8 rows is unpacked once (an 8 x 8 dword transpose) into vectors of 4 weights, lane r
  * weight row r; each meets 4 inputs, broadcast, with maddubs, and a block's 8 products a lane add up in int16
- * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 16. Q4 only:
+ * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 12. Q4 only:
  * Q8_0's signed products fill the int16 lanes. */
 #define IG_ROWS 8
 #define IG_MR 4     /* input rows per pass over an unpacked pair */
