@@ -60,6 +60,13 @@ static inline void transpose_8x8(const uint8_t *a, const uint8_t *b, long stride
         out[e + 4] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
     }
 }
+
+/* The 4 int8 inputs at q in every dword: what the GEMMs' maddubs meet a vector of 4 weights a row with. */
+static inline __m256i broadcast_four(const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, 4);
+    return _mm256_set1_epi32(four);
+}
 #endif
 
 /* Every MR-row tile of the M input rows, then the rest, with tile sizes known at compile time. */

@@ -886,12 +886,6 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
     }
 }
 
-static inline __m256i x_four(const int8_t *q) {
-    int32_t four;
-    memcpy(&four, q, 4);
-    return _mm256_set1_epi32(four);
-}
-
 /* Input rows against an unpacked super-block: each row's S and Ms, 8 weight rows' at once, and the two fmas of
  * every output (out: 8 floats per input row). */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
@@ -907,7 +901,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
         for (int v = v0; v < v1; v++) {
             const __m256i w = u->w[blk][v];
             for (int j = 0; j < mr; j++) {
-                const __m256i d = _mm256_maddubs_epi16(w, x_four(a[j]->q + at + 4 * v));
+                const __m256i d = _mm256_maddubs_epi16(w, broadcast_four(a[j]->q + at + 4 * v));
                 p[j] = v == v0 ? d : _mm256_add_epi16(p[j], d);
                 __asm__("" : "+x"(p[j])); /* one chain a row: GCC's tree of these adds spills the accumulators */
             }
@@ -919,7 +913,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
         __m256 o = _mm256_loadu_ps(out + KG_ROWS * j);
         __m256i ms = _mm256_setzero_si256();
         for (int k = 0; k < (q4 ? 4 : 8); k++)
-            ms = _mm256_add_epi32(ms, _mm256_madd_epi16(u->mn[k], x_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
+            ms = _mm256_add_epi32(ms, _mm256_madd_epi16(u->mn[k], broadcast_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
         if (!q4) S[j] = _mm256_sub_epi32(S[j], _mm256_slli_epi32(ms, 5));
         o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[j]), _mm256_mul_ps(u->d, dx), o);
         if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(u->ndmin, dx), o);

@@ -217,12 +217,6 @@ static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const i
     }
 }
 
-static inline __m256i x_four(const int8_t *q) {
-    int32_t four;
-    memcpy(&four, q, 4);
-    return _mm256_set1_epi32(four);
-}
-
 /* Input rows m0.. against an unpacked pair: out holds per input row o_A's 8 lanes, then o_B's. */
 static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, const quantized_inputs *in, int pairs,
                                                           int p, int m0, const int mr, float *out) {
@@ -233,7 +227,7 @@ static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, cons
             const __m256i w = u->w[side][g];
             for (int j = 0; j < mr; j++) {
                 const int8_t *x = in->q + slot(in, m0 + j, p) * 64 + 32 * (g / 4) + 16 * side + 4 * (g % 4);
-                const __m256i d = _mm256_maddubs_epi16(w, x_four(x));
+                const __m256i d = _mm256_maddubs_epi16(w, broadcast_four(x));
                 s16[j] = g == 0 ? d : _mm256_add_epi16(s16[j], d);
                 __asm__("" : "+x"(s16[j])); /* one chain a row: GCC's tree of these adds spills */
             }
