@@ -30,7 +30,14 @@ static inline void store_tile(const vf *sums, const uint16_t *bias, void *y, lon
 
 /* n outputs of one input row (weight rows n0...), plus the bias, into y at `at` + n0: fp32, or rounded to bf16. */
 static inline void store_outputs(const float *acc, int n, const uint16_t *bias, void *y, long at, int n0, int f32) {
-    for (int r = 0; r < n; r++) {
+    int r = 0;
+    for (; r + LANES <= n; r += LANES) { /* a GEMM tile's row: vectors, the same rounding lane by lane */
+        vf v = load_f32(acc + r);
+        if (bias) v += load_bf16(bias + n0 + r);
+        if (f32) store_f32((float *)y + at + n0 + r, v);
+        else store_bf16((uint16_t *)y + at + n0 + r, v);
+    }
+    for (; r < n; r++) {
         float v = acc[r];
         if (bias) v += bf16_to_float(bias[n0 + r]);
         if (f32) ((float *)y)[at + n0 + r] = v;

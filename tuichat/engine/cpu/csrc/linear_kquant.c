@@ -23,8 +23,8 @@
  * - a GEMM (more rows: prefill): 16 weight rows are unpacked per super-block (loads and transposes) into one
  *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
  *   the 16 rows' fp32 sums in the lanes.
- * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 8 weight rows
- * (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 64), no lanes kernel.
+ * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 16 weight rows
+ * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 64), no lanes kernel.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
@@ -625,6 +625,7 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
+#define KG_MR_Q6 KG_MR
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
 #define KG_MIN_M_Q5 KG_MIN_M
@@ -774,13 +775,15 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #endif
 
 #if defined(KQ_VECTOR) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-/* The GEMM of 256-bit builds (AVX2, no VNNI), as the 512-bit one above but with a lane per weight row of 8: each
- * super-block of 8 rows unpacked once (transposes) into vectors of 4 weights a row, each met by 4 inputs
- * broadcast with maddubs. A sub-block's 8 products stay in int16 (Q4_K: 8 x 2 x 15 x 127 fits; Q6_K's two
+/* The GEMM of 256-bit builds (AVX2, no VNNI), as the 512-bit one above but with a lane per weight row of 8, two
+ * such groups a tile: each super-block of 16 rows unpacked once (transposes) into vectors of 4 weights a row,
+ * each 4 inputs broadcast once for both groups' maddubs. A sub-block's 8 products stay in int16 (Q4_K: 8 x 2 x 15 x 127 fits; Q6_K's two
  * x 2 x 63 x 127), then one madd by the rows' scales: 9 multiplies per 32 x 8 products, where the row tiles pay
  * 16. The same exact S and Ms, the same fmas in the same order: the same outputs as the row tiles. */
-#define KG_ROWS 8  /* weight rows per GEMM tile: a lane each */
-#define KG_MR 4    /* input rows per pass over an unpacked super-block */
+#define KG_GROUPS 2 /* groups of 8 weight rows (a lane each) per tile: each input broadcast meets both */
+#define KG_ROWS (8 * KG_GROUPS)
+#define KG_MR 2    /* input rows per pass over an unpacked super-block (Q4_K, Q5_K) */
+#define KG_MR_Q6 3 /* Q6_K's (its madd every 2 maddubs leaves registers for a third row) */
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
 #define KG_MIN_M_Q5 16 /* Q5_K's (five transposes: at 8 rows the row tiles measured faster, at 16 not) */
@@ -799,6 +802,10 @@ typedef struct {
     __m256i sc[16];
     __m256i mn[8];
     __m256 d, ndmin;
+} kg_half;
+
+typedef struct {
+    kg_half g[KG_GROUPS];
 } kg_block;
 
 /* 32 bytes at `at` of each of 8 rows, row_bytes apart, transposed (linear.h). */
@@ -817,7 +824,7 @@ static inline __m256 halves_of(__m256i v, int high) {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
 }
 
-static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
+static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half *u) {
     const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)row_bytes));
     const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     __m256i v[8];
@@ -886,38 +893,50 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
     }
 }
 
-/* Input rows against an unpacked super-block: each row's S and Ms, 8 weight rows' at once, and the two fmas of
- * every output (out: 8 floats per input row). */
+static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
+    for (int h = 0; h < KG_GROUPS; h++) kg_unpack_half(first + 8 * h * row_bytes, row_bytes, q4, &u->g[h]);
+}
+
+/* Input rows against an unpacked super-block: each row's S and Ms, 16 weight rows' at once, and the two fmas of
+ * every output (out: 16 floats per input row). Each broadcast of 4 inputs meets both groups of 8 rows: the
+ * broadcasts take a vector pipe's slot on Zen 3, one per maddubs measured ~20 % slower. */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
                                                           const int mr, float *out) {
-    __m256i S[KG_MR], p[KG_MR];
-    for (int j = 0; j < mr; j++) S[j] = _mm256_setzero_si256();
+    __m256i S[KG_MR_Q6][KG_GROUPS], p[KG_MR_Q6][KG_GROUPS];
+    for (int j = 0; j < mr; j++)
+        for (int h = 0; h < KG_GROUPS; h++) S[j][h] = _mm256_setzero_si256();
     /* g: Q4_K's sub-block; half of Q5_K's (four products of q up to 31 fit int16, eight do not); Q6_K: 8 of a
      * group of 16's weights */
     for (int g = 0; g < (q4 == 1 ? 8 : q4 == 2 ? 16 : 32); g++) {
         const int blk = q4 == 1 ? g : q4 == 2 ? g / 2 : g / 4;
         const int v0 = q4 == 1 ? 0 : q4 == 2 ? 4 * (g % 2) : 2 * (g % 4), v1 = q4 == 1 ? 8 : q4 == 2 ? v0 + 4 : v0 + 2;
         const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
-        for (int v = v0; v < v1; v++) {
-            const __m256i w = u->w[blk][v];
+        for (int v = v0; v < v1; v++)
             for (int j = 0; j < mr; j++) {
-                const __m256i d = _mm256_maddubs_epi16(w, broadcast_four(a[j]->q + at + 4 * v));
-                p[j] = v == v0 ? d : _mm256_add_epi16(p[j], d);
-                __asm__("" : "+x"(p[j])); /* one chain a row: GCC's tree of these adds spills the accumulators */
+                const __m256i x = broadcast_four(a[j]->q + at + 4 * v);
+                for (int h = 0; h < KG_GROUPS; h++) {
+                    const __m256i d = _mm256_maddubs_epi16(u->g[h].w[blk][v], x);
+                    p[j][h] = v == v0 ? d : _mm256_add_epi16(p[j][h], d);
+                    __asm__("" : "+x"(p[j][h])); /* one chain each: GCC's tree of these adds spills the accumulators */
+                }
             }
-        }
-        for (int j = 0; j < mr; j++) S[j] = _mm256_add_epi32(S[j], _mm256_madd_epi16(p[j], u->sc[q4 == 1 ? g : g / 2]));
+        for (int j = 0; j < mr; j++)
+            for (int h = 0; h < KG_GROUPS; h++)
+                S[j][h] = _mm256_add_epi32(S[j][h], _mm256_madd_epi16(p[j][h], u->g[h].sc[q4 == 1 ? g : g / 2]));
     }
     for (int j = 0; j < mr; j++) {
         const __m256 dx = _mm256_set1_ps(a[j]->d);
-        __m256 o = _mm256_loadu_ps(out + KG_ROWS * j);
-        __m256i ms = _mm256_setzero_si256();
-        for (int k = 0; k < (q4 ? 4 : 8); k++)
-            ms = _mm256_add_epi32(ms, _mm256_madd_epi16(u->mn[k], broadcast_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
-        if (!q4) S[j] = _mm256_sub_epi32(S[j], _mm256_slli_epi32(ms, 5));
-        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[j]), _mm256_mul_ps(u->d, dx), o);
-        if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(u->ndmin, dx), o);
-        _mm256_storeu_ps(out + KG_ROWS * j, o);
+        for (int h = 0; h < KG_GROUPS; h++) {
+            const kg_half *e = &u->g[h];
+            __m256 o = _mm256_loadu_ps(out + KG_ROWS * j + 8 * h);
+            __m256i ms = _mm256_setzero_si256(), sj = S[j][h];
+            for (int k = 0; k < (q4 ? 4 : 8); k++)
+                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(e->mn[k], broadcast_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
+            if (!q4) sj = _mm256_sub_epi32(sj, _mm256_slli_epi32(ms, 5));
+            o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sj), _mm256_mul_ps(e->d, dx), o);
+            if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(e->ndmin, dx), o);
+            _mm256_storeu_ps(out + KG_ROWS * j + 8 * h, o);
+        }
     }
 }
 #endif
@@ -926,7 +945,6 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, const q8_block *xq, int M, int n0,
                     kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
-    const int full = M / KG_MR * KG_MR;
     const int q4 = format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0; /* kg_unpack's and kg_rows' kind */
     const long bytes = kq_block_bytes(format);
     for (int b = 0; b < blocks; b++) {
@@ -938,21 +956,28 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
                 for (int line = 0; line < bytes + 64; line += 64)
                     _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * bytes + line, _MM_HINT_T0);
         kg_unpack(first, row_bytes, q4, u);
-        const q8_block *a[KG_MR];
-#define KG_PASS(mr, m0)                                                             \
+        const q8_block *a[KG_MR_Q6 > KG_MR ? KG_MR_Q6 : KG_MR];
+        /* every pass of `pass` rows, then the rest: row counts known at compile time in each copy of kg_rows */
+#define KG_PASS(kind, mr, m0)                                                       \
         do {                                                                        \
             for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
-            if (q4 == 1) kg_rows(u, 1, a, mr, out + (long)KG_ROWS * (m0));                     \
-            else if (KG_Q5_K && q4 == 2) kg_rows(u, 2, a, mr, out + (long)KG_ROWS * (m0));     \
-            else kg_rows(u, 0, a, mr, out + (long)KG_ROWS * (m0));                             \
+            kg_rows(u, kind, a, mr, out + (long)KG_ROWS * (m0));                    \
         } while (0)
-        for (int m0 = 0; m0 < full; m0 += KG_MR) KG_PASS(KG_MR, m0);
-        switch (M - full) {
-            case 1: KG_PASS(1, full); break;
-            case 2: KG_PASS(2, full); break;
-            case 3: KG_PASS(3, full); break;
-            default: break;
-        }
+#define KG_PASSES(kind, pass)                                                       \
+        do {                                                                        \
+            const int full = M / (pass) * (pass);                                   \
+            for (int m0 = 0; m0 < full; m0 += (pass)) KG_PASS(kind, pass, m0);      \
+            switch (M - full) {                                                     \
+                case 1: KG_PASS(kind, 1, full); break;                              \
+                case 2: if ((pass) > 2) KG_PASS(kind, 2, full); break;              \
+                case 3: if ((pass) > 3) KG_PASS(kind, 3, full); break;              \
+                default: break;                                                     \
+            }                                                                       \
+        } while (0)
+        if (q4 == 1) KG_PASSES(1, KG_MR);
+        else if (KG_Q5_K && q4 == 2) KG_PASSES(2, KG_MR);
+        else KG_PASSES(0, KG_MR_Q6);
+#undef KG_PASSES
 #undef KG_PASS
     }
     for (int m = 0; m < M; m++) store_outputs(out + (long)KG_ROWS * m, KG_ROWS, bias, y, (long)m * y_stride, n0, f32);
