@@ -140,11 +140,12 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels, name):
     assert torch.equal(kernels.linear(x[5:9], weight, None), together[5:9])
 
 
-def test_a_bias_is_added_once(kernels):
+@pytest.mark.parametrize("rows", [2, 19])  # the tiles; AVX2's GEMM (its outputs stored a vector at a time)
+def test_a_bias_is_added_once(kernels, rows):
     fmt, k = FORMATS["Q4_1"], 128
     blocks = quantized(fmt, 32, k, seed=9)
     weight = quant.PackedWeight(kernels.pack(blocks, fmt, k), fmt, 32, k)
-    x = torch.randn(2, k).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
     bias = (torch.randn(32) * 4).bfloat16()
     with_bias, without = kernels.linear(x, weight, bias), kernels.linear(x, weight, None)
     assert (with_bias.float() - without.float() - bias.float()).abs().max() <= 0.02 * (bias.float().abs().max() + 1)

@@ -1166,7 +1166,9 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
 #if defined(KG_ROWS)
         if (gemm) {
             char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
-            #pragma omp for schedule(static) nowait
+            /* tiles handed out as threads come free: these VMs' two cores often run at unequal speeds, and a
+             * static share waits for the slower; a tile of a few rows is small, so those go a few at a time */
+            #pragma omp for schedule(dynamic, M >= 64 ? 1 : 64 / M) nowait
             for (int t = 0; t < N / KG_ROWS; t++)
                 kg_tile(w, row_bytes, blocks, format, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
                         bias, y, y_stride, f32);

@@ -181,19 +181,25 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
 }
 
 #if I8_MADDUBS
-/* More input rows (prefill, several tabs): a GEMM over 8 weight rows (two quads), as linear_kquant.c's. Each
- * pair of blocks of the 8 rows is unpacked once (an 8 x 8 dword transpose) into vectors of 4 weights, lane r
- * weight row r; each meets 4 inputs, broadcast, with maddubs, and a block's 8 products a lane add up in int16
+/* More input rows (prefill, several tabs): a GEMM over 16 weight rows (two groups of two quads), as
+ * linear_kquant.c's. Each pair of blocks of a group's 8 rows is unpacked once (an 8 x 8 dword transpose) into
+ * vectors of 4 weights, lane r weight row r; each 4 inputs, broadcast once, meet both groups' with maddubs
+ * (a broadcast costs a vector pipe's slot on Zen 3), and a block's 8 products a lane add up in int16
  * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 12. Q4 only:
  * Q8_0's signed products fill the int16 lanes. */
-#define IG_ROWS 8
-#define IG_MR 4     /* input rows per pass over an unpacked pair */
+#define IG_GROUPS 2 /* groups of 8 weight rows (two quads) per tile: each input broadcast meets both */
+#define IG_ROWS (8 * IG_GROUPS)
+#define IG_MR 2     /* input rows per pass over an unpacked pair */
 #define IG_MIN_M 8  /* input rows from which it beats the tiles */
 #define IG_AHEAD 4  /* pairs ahead that it prefetches */
 
 typedef struct {
     __m256i w[2][8]; /* [side][group of 4 weights]: lane r, row r's */
     __m256 d[2], m[2];
+} ig_half;
+
+typedef struct {
+    ig_half g[IG_GROUPS];
 } ig_pair;
 
 /* Four halves at a and four at b as 8 floats. */
@@ -201,7 +207,7 @@ static inline __m256 halves_2x4(const uint8_t *a, const uint8_t *b) {
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
 }
 
-static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const int format, ig_pair *u) {
+static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const int format, ig_half *u) {
     const __m256i nib = _mm256_set1_epi8(15);
     __m256i v[8];
     transpose_8x8(quad0, quad1, 32, v); /* dwords 0-3: A's bytes (weights 4k.. low, 16 + 4k.. high), 4-7: B's */
@@ -217,29 +223,31 @@ static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const i
     }
 }
 
-/* Input rows m0.. against an unpacked pair: out holds per input row o_A's 8 lanes, then o_B's. */
+/* Input rows m0.. against an unpacked pair: out holds per input row o_A's 16 lanes, then o_B's. */
 static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, const quantized_inputs *in, int pairs,
                                                           int p, int m0, const int mr, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int side = 0; side < 2; side++) {
-        __m256i s16[IG_MR];
-        for (int g = 0; g < 8; g++) {
-            const __m256i w = u->w[side][g];
+        __m256i s16[IG_MR][IG_GROUPS];
+        for (int g = 0; g < 8; g++)
             for (int j = 0; j < mr; j++) {
-                const int8_t *x = in->q + slot(in, m0 + j, p) * 64 + 32 * (g / 4) + 16 * side + 4 * (g % 4);
-                const __m256i d = _mm256_maddubs_epi16(w, broadcast_four(x));
-                s16[j] = g == 0 ? d : _mm256_add_epi16(s16[j], d);
-                __asm__("" : "+x"(s16[j])); /* one chain a row: GCC's tree of these adds spills */
+                const __m256i x = broadcast_four(in->q + slot(in, m0 + j, p) * 64 + 32 * (g / 4) + 16 * side + 4 * (g % 4));
+                for (int h = 0; h < IG_GROUPS; h++) {
+                    const __m256i d = _mm256_maddubs_epi16(u->g[h].w[side][g], x);
+                    s16[j][h] = g == 0 ? d : _mm256_add_epi16(s16[j][h], d);
+                    __asm__("" : "+x"(s16[j][h])); /* one chain each: GCC's tree of these adds spills */
+                }
             }
-        }
         for (int j = 0; j < mr; j++) {
             const float *xs = in->scales + slot(in, m0 + j, p) * 16;
-            float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side;
-            __m256 acc = _mm256_loadu_ps(o);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j], ones)),
-                                  _mm256_mul_ps(u->d[side], _mm256_broadcast_ss(xs + 4 * side)), acc);
-            acc = _mm256_fmadd_ps(u->m[side], _mm256_broadcast_ss(xs + 8 + 4 * side), acc);
-            _mm256_storeu_ps(o, acc);
+            const __m256 dx = _mm256_broadcast_ss(xs + 4 * side), sx = _mm256_broadcast_ss(xs + 8 + 4 * side);
+            for (int h = 0; h < IG_GROUPS; h++) {
+                float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side + 8 * h;
+                __m256 acc = _mm256_loadu_ps(o);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][h], ones)), _mm256_mul_ps(u->g[h].d[side], dx), acc);
+                acc = _mm256_fmadd_ps(u->g[h].m[side], sx, acc);
+                _mm256_storeu_ps(o, acc);
+            }
         }
     }
 }
@@ -248,25 +256,22 @@ static void ig_tile(const uint8_t *w, long row_bytes, const int format, int pair
                     int n0, ig_pair *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * 2 * IG_ROWS * (size_t)M);
     const int pair_bytes = 8 * block_bytes(format), full = M / IG_MR * IG_MR;
-    const uint8_t *quad0 = w + (long)n0 * row_bytes, *quad1 = quad0 + 4 * row_bytes;
+    const uint8_t *first = w + (long)n0 * row_bytes; /* quad q at first + q * 4 * row_bytes */
     for (int p = 0; p < pairs; p++) {
         if (p + IG_AHEAD < pairs)
-            for (int line = 0; line < pair_bytes + 64; line += 64) {
-                _mm_prefetch((const char *)quad0 + (long)(p + IG_AHEAD) * pair_bytes + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)quad1 + (long)(p + IG_AHEAD) * pair_bytes + line, _MM_HINT_T0);
-            }
-        ig_unpack(quad0 + (long)p * pair_bytes, quad1 + (long)p * pair_bytes, format, u);
+            for (int q = 0; q < 2 * IG_GROUPS; q++)
+                for (int line = 0; line < pair_bytes + 64; line += 64)
+                    _mm_prefetch((const char *)first + q * 4 * row_bytes + (long)(p + IG_AHEAD) * pair_bytes + line, _MM_HINT_T0);
+        for (int h = 0; h < IG_GROUPS; h++)
+            ig_unpack(first + 8 * h * row_bytes + (long)p * pair_bytes, first + (8 * h + 4) * row_bytes + (long)p * pair_bytes,
+                      format, &u->g[h]);
         for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, out);
-        switch (M - full) {
-            case 1: ig_rows(u, in, pairs, p, full, 1, out); break;
-            case 2: ig_rows(u, in, pairs, p, full, 2, out); break;
-            case 3: ig_rows(u, in, pairs, p, full, 3, out); break;
-            default: break;
-        }
+        if (M > full) ig_rows(u, in, pairs, p, full, 1, out);
     }
     for (int m = 0; m < M; m++) {
         float *o = out + (long)m * 2 * IG_ROWS;
-        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_loadu_ps(o + IG_ROWS)));
+        for (int h = 0; h < IG_GROUPS; h++)
+            _mm256_storeu_ps(o + 8 * h, _mm256_add_ps(_mm256_loadu_ps(o + 8 * h), _mm256_loadu_ps(o + IG_ROWS + 8 * h)));
         store_outputs(o, IG_ROWS, bias, y, (long)m * y_stride, n0, f32);
     }
 }
@@ -296,7 +301,7 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
 #if I8_MADDUBS
     if (gemm) {
         char *mine = (char *)(((uintptr_t)(memory + x_bytes) + 63) / 64 * 64) + own * omp_get_thread_num();
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(dynamic, M >= 64 ? 1 : 64 / M) nowait /* as kquant_linear's GEMM */
         for (int t = 0; t < N / IG_ROWS; t++)
             ig_tile(w, row_bytes, format, pairs, &in, M, t * IG_ROWS, (ig_pair *)mine,
                     (float *)(mine + sizeof(ig_pair)), bias, y, y_stride, f32);
