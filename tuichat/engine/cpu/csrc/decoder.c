@@ -231,20 +231,29 @@ static inline __attribute__((always_inline)) void attend_shape(
         for (int j = lo; j < first && j < n; j++) work[(long)h * padded + (j - lo)] = -INFINITY;
     float sums[8], tops[8];
     for (int h = 0; h < group; h++) sums[h] = softmax_numerators(work + (long)h * padded, n - lo, &tops[h]);
+    /* The weighted sum in passes over a few chunks of the dims, so that a pass's group x few accumulators stay
+     * in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds the
+     * positions in order. */
+    const int few = 8 / group > 4 ? 4 : 8 / group < 1 ? 1 : 8 / group;
     vf acc[8][256 / LANES];
-    for (int h = 0; h < group; h++)
-        for (int c = 0; c < chunks; c++) acc[h][c] = splat(0.0f);
-    for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
-        const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride;
-        if (j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
-        for (int j = j0; j < n && j < j0 + 16; j++) {
-            vf vv[256 / LANES];
-            for (int c = 0; c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
-            for (int h = 0; h < group; h++) {
-                vf weight = splat(work[(long)h * padded + (j - lo)]);
-                for (int c = 0; c < chunks; c++) acc[h][c] += weight * vv[c];
+    for (int c0 = 0; c0 < chunks; c0 += few) {
+        vf part[8][4];
+        for (int h = 0; h < group; h++)
+            for (int c = 0; c < few; c++) part[h][c] = splat(0.0f);
+        for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
+            const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride + LANES * c0;
+            if (c0 == 0 && j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
+            for (int j = j0; j < n && j < j0 + 16; j++) {
+                vf vv[4];
+                for (int c = 0; c < few && c0 + c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
+                for (int h = 0; h < group; h++) {
+                    vf weight = splat(work[(long)h * padded + (j - lo)]);
+                    for (int c = 0; c < few && c0 + c < chunks; c++) part[h][c] += weight * vv[c];
+                }
             }
         }
+        for (int h = 0; h < group; h++)
+            for (int c = 0; c < few && c0 + c < chunks; c++) acc[h][c0 + c] = part[h][c];
     }
     if (partial) {
         for (int h = 0; h < group; h++) {

@@ -16,7 +16,9 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
-static inline vf splat(float x) { return (vf){} + x; }
+/* x in every lane, by one broadcast: x - 0 is x for every x, so the compiler drops it ((vf){} + x cost an add
+ * first, as 0 + -0 is +0; a loop over the lanes became inserts in places). */
+static inline vf splat(float x) { return x - (vf){}; }
 
 /* mask ? a : b, lane by lane (C has no vector ?:). */
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
