@@ -24,7 +24,7 @@
  *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
  *   the 16 rows' fp32 sums in the lanes.
  * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 16 weight rows
- * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 64), no lanes kernel.
+ * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 16), no lanes kernel.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
@@ -787,7 +787,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
 #define KG_MIN_M_Q5 16 /* Q5_K's (five transposes: at 8 rows the row tiles measured faster, at 16 not) */
-#define KG_MIN_M_Q6 64 /* Q6_K's (its unpacking costs more: at 8 to 32 rows the row tiles measured faster) */
+#define KG_MIN_M_Q6 16 /* Q6_K's (its madd every 2 maddubs: at 8 rows the row tiles measured 12 % faster, at 16 even) */
 #if defined(KQ_Q5_K)
 #define KG_Q5_K 1 /* Q5_K is read in place: this GEMM takes it too */
 #else
@@ -813,6 +813,23 @@ static inline void transpose_rows(const uint8_t *at, long row_bytes, __m256i out
     transpose_8x8(at, at + 4 * row_bytes, row_bytes, out);
 }
 
+/* The 4 dwords at `at` of each of 8 rows: out[k], lane r = row r's dword k (loads and unpacks: Zen 3's gathers
+ * cost more than the rest of the unpacking at 8 input rows). */
+static inline void columns_8x4(const uint8_t *at, long row_bytes, __m256i out[4]) {
+    __m256i z[4], t[4];
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(at + i * row_bytes))),
+                                       _mm_loadu_si128((const __m128i *)(at + (i + 4) * row_bytes)), 1);
+    for (int i = 0; i < 4; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    out[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    out[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    out[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    out[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+}
+
 static inline __m256i byte_of(__m256i v, int k) { return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xff)); }
 static inline __m256i pair16(__m256i lo, __m256i hi) {
     return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
@@ -829,10 +846,9 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     __m256i v[8];
     if (q4) {
-        const __m256i head = _mm256_i32gather_epi32((const int *)first, rows, 1);
-        const __m256i q0 = _mm256_i32gather_epi32((const int *)(first + 4), rows, 1);
-        const __m256i q1 = _mm256_i32gather_epi32((const int *)(first + 8), rows, 1);
-        const __m256i q2 = _mm256_i32gather_epi32((const int *)(first + 12), rows, 1);
+        __m256i header[4];
+        columns_8x4(first, row_bytes, header);
+        const __m256i head = header[0], q0 = header[1], q1 = header[2], q2 = header[3];
         u->d = halves_of(head, 0);
         u->ndmin = _mm256_sub_ps(_mm256_setzero_ps(), halves_of(head, 1));
         const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
@@ -868,11 +884,10 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
         return;
     }
     /* Q6_K: the int8 scales (four dwords), d (the high half of the dword at 206: no read past the row) */
-    __m256i sc[16];
-    for (int k = 0; k < 4; k++) {
-        const __m256i four = _mm256_i32gather_epi32((const int *)(first + 192 + 4 * k), rows, 1);
-        for (int b = 0; b < 4; b++) sc[4 * k + b] = _mm256_srai_epi32(_mm256_slli_epi32(four, 24 - 8 * b), 24);
-    }
+    __m256i sc[16], fours[4];
+    columns_8x4(first + 192, row_bytes, fours);
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 4; b++) sc[4 * k + b] = _mm256_srai_epi32(_mm256_slli_epi32(fours[k], 24 - 8 * b), 24);
     for (int g = 0; g < 16; g++) u->sc[g] = pair16(sc[g], sc[g]);
     for (int k = 0; k < 8; k++) u->mn[k] = pair16(sc[2 * k], sc[2 * k + 1]);
     u->d = halves_of(_mm256_i32gather_epi32((const int *)(first + 206), rows, 1), 1);
