@@ -958,11 +958,17 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 
 #if defined(KG_ROWS)
 static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, const q8_block *xq, int M, int n0,
-                    kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
+                    int N, kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
     const int q4 = format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0; /* kg_unpack's and kg_rows' kind */
     const long bytes = kq_block_bytes(format);
+    /* The next tile's first KG_AHEAD super-blocks of each row, which the prefetch below does not reach, spread
+     * over this tile's super-blocks into L2: at a few input rows each tile's 16 streams started from DRAM */
+    const char *next = n0 + KG_ROWS < N ? (const char *)w + (long)(n0 + KG_ROWS) * row_bytes : NULL;
     for (int b = 0; b < blocks; b++) {
+        for (int r = b * KG_ROWS / blocks; next && r < (b + 1) * KG_ROWS / blocks; r++)
+            for (long line = 0; line < KG_AHEAD * bytes + 64 && line < row_bytes; line += 64)
+                _mm_prefetch(next + r * row_bytes + line, _MM_HINT_T1);
         const uint8_t *first = w + n0 * row_bytes + (long)b * bytes;
         /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
          * super-block KG_AHEAD blocks on (all its lines: 144 to 210 bytes from any offset span at most 4) */
@@ -1185,7 +1191,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
              * static share waits for the slower; a tile of a few rows is small, so those go a few at a time */
             #pragma omp for schedule(dynamic, M >= 64 ? 1 : 64 / M) nowait
             for (int t = 0; t < N / KG_ROWS; t++)
-                kg_tile(w, row_bytes, blocks, format, xq, M, t * KG_ROWS, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
+                kg_tile(w, row_bytes, blocks, format, xq, M, t * KG_ROWS, N, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
                         bias, y, y_stride, f32);
         } else
 #endif
