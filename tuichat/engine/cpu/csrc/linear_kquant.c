@@ -922,22 +922,24 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
         for (int h = 0; h < KG_GROUPS; h++) S[j][h] = _mm256_setzero_si256();
     /* g: Q4_K's sub-block; half of Q5_K's (four products of q up to 31 fit int16, eight do not); Q6_K: 8 of a
      * group of 16's weights */
-    for (int g = 0; g < (q4 == 1 ? 8 : q4 == 2 ? 16 : 32); g++) {
-        const int blk = q4 == 1 ? g : q4 == 2 ? g / 2 : g / 4;
-        const int v0 = q4 == 1 ? 0 : q4 == 2 ? 4 * (g % 2) : 2 * (g % 4), v1 = q4 == 1 ? 8 : q4 == 2 ? v0 + 4 : v0 + 2;
+    const int per = q4 == 1 ? 1 : q4 == 2 ? 2 : 4; /* g's a block of 32, an inner loop that GCC unrolls: */
+    for (int blk = 0; blk < 8; blk++) {               /* Q6_K's offsets constants, not ~25 integer ops a g */
         const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
-        for (int v = v0; v < v1; v++)
-            for (int j = 0; j < mr; j++) {
-                const __m256i x = broadcast_four(a[j]->q + at + 4 * v);
-                for (int h = 0; h < KG_GROUPS; h++) {
-                    const __m256i d = _mm256_maddubs_epi16(u->g[h].w[blk][v], x);
-                    p[j][h] = v == v0 ? d : _mm256_add_epi16(p[j][h], d);
-                    __asm__("" : "+x"(p[j][h])); /* one chain each: GCC's tree of these adds spills the accumulators */
+        for (int gg = 0; gg < per; gg++) {
+            const int g = blk * per + gg, v0 = 8 / per * gg, v1 = v0 + 8 / per;
+            for (int v = v0; v < v1; v++)
+                for (int j = 0; j < mr; j++) {
+                    const __m256i x = broadcast_four(a[j]->q + at + 4 * v);
+                    for (int h = 0; h < KG_GROUPS; h++) {
+                        const __m256i d = _mm256_maddubs_epi16(u->g[h].w[blk][v], x);
+                        p[j][h] = v == v0 ? d : _mm256_add_epi16(p[j][h], d);
+                        __asm__("" : "+x"(p[j][h])); /* one chain each: GCC's tree of these adds spills them */
+                    }
                 }
-            }
-        for (int j = 0; j < mr; j++)
-            for (int h = 0; h < KG_GROUPS; h++)
-                S[j][h] = _mm256_add_epi32(S[j][h], _mm256_madd_epi16(p[j][h], u->g[h].sc[q4 == 1 ? g : g / 2]));
+            for (int j = 0; j < mr; j++)
+                for (int h = 0; h < KG_GROUPS; h++)
+                    S[j][h] = _mm256_add_epi32(S[j][h], _mm256_madd_epi16(p[j][h], u->g[h].sc[q4 == 1 ? g : g / 2]));
+        }
     }
     for (int j = 0; j < mr; j++) {
         const __m256 dx = _mm256_set1_ps(a[j]->d);
