@@ -24,7 +24,7 @@
  *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
  *   the 16 rows' fp32 sums in the lanes.
  * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 16 weight rows
- * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 16), no lanes kernel.
+ * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 24), no lanes kernel.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
 #include <math.h>
 #include <omp.h>
@@ -625,7 +625,6 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
 #define KG_MR 4     /* input rows per pass over an unpacked super-block */
-#define KG_MR_Q6 KG_MR
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
 #define KG_MIN_M_Q5 KG_MIN_M
@@ -782,12 +781,12 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
  * 16. The same exact S and Ms, the same fmas in the same order: the same outputs as the row tiles. */
 #define KG_GROUPS 2 /* groups of 8 weight rows (a lane each) per tile: each input broadcast meets both */
 #define KG_ROWS (8 * KG_GROUPS)
-#define KG_MR 2    /* input rows per pass over an unpacked super-block (Q4_K, Q5_K) */
-#define KG_MR_Q6 3 /* Q6_K's (its madd every 2 maddubs leaves registers for a third row) */
+#define KG_MR 2    /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
 #define KG_MIN_M_Q5 16 /* Q5_K's (five transposes: at 8 rows the row tiles measured faster, at 16 not) */
-#define KG_MIN_M_Q6 16 /* Q6_K's (its madd every 2 maddubs: at 8 rows the row tiles measured 12 % faster, at 16 even) */
+#define KG_MIN_M_Q6 24 /* Q6_K's (its unpacking costs more): weights out of cache, 16 rows measured 10 % slower
+                        * than the row tiles, 32 rows 16 % faster */
 #if defined(KQ_Q5_K)
 #define KG_Q5_K 1 /* Q5_K is read in place: this GEMM takes it too */
 #else
@@ -917,7 +916,7 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
  * broadcasts take a vector pipe's slot on Zen 3, one per maddubs measured ~20 % slower. */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
                                                           const int mr, float *out) {
-    __m256i S[KG_MR_Q6][KG_GROUPS], p[KG_MR_Q6][KG_GROUPS];
+    __m256i S[KG_MR][KG_GROUPS], p[KG_MR][KG_GROUPS];
     for (int j = 0; j < mr; j++)
         for (int h = 0; h < KG_GROUPS; h++) S[j][h] = _mm256_setzero_si256();
     /* g: Q4_K's sub-block; half of Q5_K's (four products of q up to 31 fit int16, eight do not); Q6_K: 8 of a
@@ -979,27 +978,27 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
                 for (int line = 0; line < bytes + 64; line += 64)
                     _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * bytes + line, _MM_HINT_T0);
         kg_unpack(first, row_bytes, q4, u);
-        const q8_block *a[KG_MR_Q6 > KG_MR ? KG_MR_Q6 : KG_MR];
-        /* every pass of `pass` rows, then the rest: row counts known at compile time in each copy of kg_rows */
+        const q8_block *a[KG_MR];
+        /* every pass of KG_MR rows, then the rest: row counts known at compile time in each copy of kg_rows */
 #define KG_PASS(kind, mr, m0)                                                       \
         do {                                                                        \
             for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
             kg_rows(u, kind, a, mr, out + (long)KG_ROWS * (m0));                    \
         } while (0)
-#define KG_PASSES(kind, pass)                                                       \
+#define KG_PASSES(kind)                                                             \
         do {                                                                        \
-            const int full = M / (pass) * (pass);                                   \
-            for (int m0 = 0; m0 < full; m0 += (pass)) KG_PASS(kind, pass, m0);      \
+            const int full = M / KG_MR * KG_MR;                                     \
+            for (int m0 = 0; m0 < full; m0 += KG_MR) KG_PASS(kind, KG_MR, m0);      \
             switch (M - full) {                                                     \
                 case 1: KG_PASS(kind, 1, full); break;                              \
-                case 2: if ((pass) > 2) KG_PASS(kind, 2, full); break;              \
-                case 3: if ((pass) > 3) KG_PASS(kind, 3, full); break;              \
+                case 2: if (KG_MR > 2) KG_PASS(kind, 2, full); break;               \
+                case 3: if (KG_MR > 3) KG_PASS(kind, 3, full); break;               \
                 default: break;                                                     \
             }                                                                       \
         } while (0)
-        if (q4 == 1) KG_PASSES(1, KG_MR);
-        else if (KG_Q5_K && q4 == 2) KG_PASSES(2, KG_MR);
-        else KG_PASSES(0, KG_MR_Q6);
+        if (q4 == 1) KG_PASSES(1);
+        else if (KG_Q5_K && q4 == 2) KG_PASSES(2);
+        else KG_PASSES(0);
 #undef KG_PASSES
 #undef KG_PASS
     }
