@@ -227,11 +227,17 @@ static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const i
 static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, const quantized_inputs *in, int pairs,
                                                           int p, int m0, const int mr, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *xq[IG_MR]; /* the rows' inputs and scales at pair p, once: out's stores might alias `in` */
+    const float *xscales[IG_MR];
+    for (int j = 0; j < mr; j++) {
+        xq[j] = in->q + slot(in, m0 + j, p) * 64;
+        xscales[j] = in->scales + slot(in, m0 + j, p) * 16;
+    }
     for (int side = 0; side < 2; side++) {
         __m256i s16[IG_MR][IG_GROUPS];
         for (int g = 0; g < 8; g++)
             for (int j = 0; j < mr; j++) {
-                const __m256i x = broadcast_four(in->q + slot(in, m0 + j, p) * 64 + 32 * (g / 4) + 16 * side + 4 * (g % 4));
+                const __m256i x = broadcast_four(xq[j] + 32 * (g / 4) + 16 * side + 4 * (g % 4));
                 for (int h = 0; h < IG_GROUPS; h++) {
                     const __m256i d = _mm256_maddubs_epi16(u->g[h].w[side][g], x);
                     s16[j][h] = g == 0 ? d : _mm256_add_epi16(s16[j][h], d);
@@ -239,8 +245,7 @@ static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, cons
                 }
             }
         for (int j = 0; j < mr; j++) {
-            const float *xs = in->scales + slot(in, m0 + j, p) * 16;
-            const __m256 dx = _mm256_broadcast_ss(xs + 4 * side), sx = _mm256_broadcast_ss(xs + 8 + 4 * side);
+            const __m256 dx = _mm256_broadcast_ss(xscales[j] + 4 * side), sx = _mm256_broadcast_ss(xscales[j] + 8 + 4 * side);
             for (int h = 0; h < IG_GROUPS; h++) {
                 float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side + 8 * h;
                 __m256 acc = _mm256_loadu_ps(o);
