@@ -776,9 +776,10 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #if defined(KQ_VECTOR) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* The GEMM of 256-bit builds (AVX2, no VNNI), as the 512-bit one above but with a lane per weight row of 8, two
  * such groups a tile: each super-block of 16 rows unpacked once (transposes) into vectors of 4 weights a row,
- * each 4 inputs broadcast once for both groups' maddubs. A sub-block's 8 products stay in int16 (Q4_K: 8 x 2 x 15 x 127 fits; Q6_K's two
- * x 2 x 63 x 127), then one madd by the rows' scales: 9 multiplies per 32 x 8 products, where the row tiles pay
- * 16. The same exact S and Ms, the same fmas in the same order: the same outputs as the row tiles. */
+ * each 4 inputs broadcast once for both groups' maddubs. A sub-block's 8 products stay in int16 (Q4_K: 8 x 2 x
+ * 15 x 127 fits; Q6_K's two x 2 x 63 x 127), then one madd by the rows' scales: 9 multiplies per 32 x 8
+ * products, where the row tiles pay 16. The same exact S and Ms, the same fmas in the same order: the same
+ * outputs as the row tiles. */
 #define KG_GROUPS 2 /* groups of 8 weight rows (a lane each) per tile: each input broadcast meets both */
 #define KG_ROWS (8 * KG_GROUPS)
 #define KG_MR 2    /* input rows per pass over an unpacked super-block */
@@ -947,7 +948,8 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
             __m256 o = _mm256_loadu_ps(out + KG_ROWS * j + 8 * h);
             __m256i ms = _mm256_setzero_si256(), sj = S[j][h];
             for (int k = 0; k < (q4 ? 4 : 8); k++)
-                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(e->mn[k], broadcast_four((const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
+                ms = _mm256_add_epi32(ms, _mm256_madd_epi16(e->mn[k], broadcast_four((const int8_t *)(
+                                                  q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
             if (!q4) sj = _mm256_sub_epi32(sj, _mm256_slli_epi32(ms, 5));
             o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sj), _mm256_mul_ps(e->d, dx), o);
             if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(e->ndmin, dx), o);

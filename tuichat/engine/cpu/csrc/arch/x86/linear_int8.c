@@ -245,11 +245,13 @@ static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, cons
                 }
             }
         for (int j = 0; j < mr; j++) {
-            const __m256 dx = _mm256_broadcast_ss(xscales[j] + 4 * side), sx = _mm256_broadcast_ss(xscales[j] + 8 + 4 * side);
+            const __m256 dx = _mm256_broadcast_ss(xscales[j] + 4 * side);
+            const __m256 sx = _mm256_broadcast_ss(xscales[j] + 8 + 4 * side);
             for (int h = 0; h < IG_GROUPS; h++) {
                 float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side + 8 * h;
                 __m256 acc = _mm256_loadu_ps(o);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][h], ones)), _mm256_mul_ps(u->g[h].d[side], dx), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][h], ones)),
+                                      _mm256_mul_ps(u->g[h].d[side], dx), acc);
                 acc = _mm256_fmadd_ps(u->g[h].m[side], sx, acc);
                 _mm256_storeu_ps(o, acc);
             }
@@ -271,7 +273,7 @@ static void ig_tile(const uint8_t *w, long row_bytes, const int format, int pair
             ig_unpack(first + 8 * h * row_bytes + (long)p * pair_bytes, first + (8 * h + 4) * row_bytes + (long)p * pair_bytes,
                       format, &u->g[h]);
         for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, out);
-        if (M > full) ig_rows(u, in, pairs, p, full, 1, out);
+        for (int m0 = full; m0 < M; m0++) ig_rows(u, in, pairs, p, m0, 1, out);
     }
     for (int m = 0; m < M; m++) {
         float *o = out + (long)m * 2 * IG_ROWS;
