@@ -842,7 +842,6 @@ static inline __m256 halves_of(__m256i v, int high) {
 }
 
 static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half *u) {
-    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)row_bytes));
     const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     __m256i v[8];
     if (q4) {
@@ -890,7 +889,8 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
         for (int b = 0; b < 4; b++) sc[4 * k + b] = _mm256_srai_epi32(_mm256_slli_epi32(fours[k], 24 - 8 * b), 24);
     for (int g = 0; g < 16; g++) u->sc[g] = pair16(sc[g], sc[g]);
     for (int k = 0; k < 8; k++) u->mn[k] = pair16(sc[2 * k], sc[2 * k + 1]);
-    u->d = halves_of(_mm256_i32gather_epi32((const int *)(first + 206), rows, 1), 1);
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)row_bytes));
+    u->d = halves_of(_mm256_i32gather_epi32((const int *)(first + 206), rows, 1), 1); /* the one gather left */
     u->ndmin = _mm256_setzero_ps();
     for (int h = 0; h < 2; h++) { /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */
         __m256i hi[8];
