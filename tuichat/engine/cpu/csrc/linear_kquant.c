@@ -40,6 +40,8 @@
 #define Q5_K_BYTES 176
 #define Q6_K_BYTES 210
 #define KQ_NR 4 /* weight rows per tile */
+/* The row tiles' least share (schedule(guided): shares halving from half the tiles down to this). */
+#define KQ_MIN_CHUNK 8
 #define KQ_MR 4 /* input rows per pass over a tile: NR x MR accumulators = the 16 sums store_tile takes */
 /* Input rows per pass of the row tiles over a weight tile beyond a decode's KQ_MR (kquant_linear): 8 with AVX2,
  * whose row tiles also take 5 to 63 rows (8 tabs) of the formats its GEMM leaves them, and then read each weight
@@ -1198,7 +1200,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
                         bias, y, y_stride, f32);
         } else
 #endif
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(guided, KQ_MIN_CHUNK) nowait
         for (int t = 0; t < N / KQ_NR; t++) {
             const int n0 = t * KQ_NR;
 #define KQ_TILE(mr, m0) kquant_tile(w, format, row_bytes, blocks, xq, bias, y, y_stride, n0, m0, mr, f32)
@@ -1247,7 +1249,7 @@ int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, c
         #pragma omp for schedule(static)
         for (int i = 0; i < 2 * M; i++)
             if (orders & (1 << (i / M))) quantize_row(x, f32, (long)(i % M) * x_stride, K, i < M, xq[i / M] + (long)(i % M) * blocks, 1);
-        #pragma omp for schedule(static) nowait
+        #pragma omp for schedule(guided, KQ_MIN_CHUNK) nowait
         for (int t = 0; t < first[parts]; t++) {
             int i = 0, at = 0;
             while (t >= first[i + 1]) at += sizes[i++];

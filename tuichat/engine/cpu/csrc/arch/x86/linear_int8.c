@@ -314,7 +314,7 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
                     (float *)(mine + sizeof(ig_pair)), bias, y, y_stride, f32);
     } else
 #endif
-    #pragma omp for schedule(static) nowait
+    #pragma omp for schedule(guided, 8) nowait /* as kquant_linear's row tiles */
     for (int t = 0; t < N / I8_NR; t++) {
         const uint8_t *quad = w + (long)t * I8_NR * row_bytes;
 #define I4_0_TILE(mr, m0) int8_tile(quad, FMT_Q4_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
