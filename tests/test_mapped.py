@@ -537,17 +537,18 @@ def test_a_released_tensor_leaves_the_process_memory_and_still_reads_the_same(tm
         file.close()
 
 
-def _small_folios(path: Path) -> None:
-    """The page cache holds `path` in 4 KB folios: dropped, then read a page at a time in random order."""
+def _small_folios(path: Path, upto: int = 0) -> None:
+    """The page cache holds `path` (its first `upto` bytes, where given) in 4 KB folios: dropped, then read a page
+    at a time in random order."""
     import os
     import random
 
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # dirty pages (a file just written) would stay
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        pages = list(range(0, os.fstat(fd).st_size, mmap.PAGESIZE))
+        pages = list(range(0, upto or os.fstat(fd).st_size, mmap.PAGESIZE))
         random.Random(0).shuffle(pages)
         for offset in pages:
             os.pread(fd, 1, offset)
@@ -581,15 +582,12 @@ def _fresh_read_gets_2_mb_pages(path: Path) -> bool:
         mapped.close()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="2 MB pages of a file's map: Linux's transparent huge pages")
-def test_the_tensors_read_in_place_end_up_in_2_mb_pages_and_no_others_are_mapped(tmp_path):
-    """settle_pages maps the in-place tensors in 2 MB pages even where the page cache held the file in 4 KB
-    folios (read back through the map advised MADV_HUGEPAGE), and maps nothing of a tensor not named (one the
-    load copied and released). Skipped where the file read again through such a map still gets no 2 MB pages."""
+def _served_and_copied(tmp_path: Path) -> tuple[Path, np.ndarray]:
+    """A file of two tensors: "served" (16 MiB: 8 huge pages) and "copied"."""
     from gguf import GGUFWriter
 
     path = tmp_path / "big.gguf"
-    served = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)  # 16 MiB: 8 huge pages
+    served = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
     writer = GGUFWriter(str(path), "llama")
     writer.add_tensor("served", served)
     writer.add_tensor("copied", np.ones((1024, 2048), np.float32))
@@ -597,6 +595,15 @@ def test_the_tensors_read_in_place_end_up_in_2_mb_pages_and_no_others_are_mapped
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path, served
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="2 MB pages of a file's map: Linux's transparent huge pages")
+def test_the_tensors_read_in_place_end_up_in_2_mb_pages_and_no_others_are_mapped(tmp_path):
+    """settle_pages maps the in-place tensors in 2 MB pages even where the page cache held the file in 4 KB
+    folios (read back through the map advised MADV_HUGEPAGE), and maps nothing of a tensor not named (one the
+    load copied and released). Skipped where the file read again through such a map still gets no 2 MB pages."""
+    path, served = _served_and_copied(tmp_path)
     whole = served.nbytes // HUGE_PAGE * HUGE_PAGE - HUGE_PAGE  # the tensor's 2 MB pages but a part one at each end
     if not _fresh_read_gets_2_mb_pages(path):
         pytest.skip("this file system or kernel gives a file's map no 2 MB pages")
@@ -605,6 +612,24 @@ def test_the_tensors_read_in_place_end_up_in_2_mb_pages_and_no_others_are_mapped
     try:
         assert file.settle_pages(["served"]) >= whole
         assert resident_kb(path) * 1024 < served.nbytes + 2 * HUGE_PAGE  # nothing of "copied" beyond a shared page
+        assert np.array_equal(file.array("served"), served)
+    finally:
+        file.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="2 MB pages of a file's map: Linux's transparent huge pages")
+def test_a_few_pages_in_small_folios_among_2_mb_ones_are_read_again(tmp_path):
+    """Where the page cache holds most of the in-place tensors in 2 MB folios and a few 2 MB of them in small
+    ones (that part read some other way: another program, a copy), settle_pages still maps all of them in 2 MB
+    pages: the small ones found and read again, not left because most were fine."""
+    path, served = _served_and_copied(tmp_path)
+    whole = served.nbytes // HUGE_PAGE * HUGE_PAGE - HUGE_PAGE
+    if not _fresh_read_gets_2_mb_pages(path):
+        pytest.skip("this file system or kernel gives a file's map no 2 MB pages")
+    _small_folios(path, upto=3 * HUGE_PAGE)  # 3 of the tensor's 8 pages: the rest stay in 2 MB folios
+    file = GGUFFile(path)
+    try:
+        assert file.settle_pages(["served"]) >= whole
         assert np.array_equal(file.array("served"), served)
     finally:
         file.close()

@@ -242,9 +242,10 @@ class GGUFFile:
         """Map tensors `names` (those read in place) now, and return how many bytes of the file this process maps
         in 2 MB pages. A step streams every weight read in place, and on these VMs a TLB miss every 4 KB costs a
         fifth of the bandwidth (docs/design/kernels.md). The map is advised MADV_HUGEPAGE, but the page cache may
-        already hold the file in small folios (read some other way before), which no advice changes: those pages
-        are then dropped (posix_fadvise DONTNEED; the kernel keeps any another process maps) and read again
-        through this map, as 2 MB folios. Linux only; elsewhere, or where the file system gives no large folios, 0."""
+        already hold parts of the file in small folios (read some other way before), which no advice changes:
+        those 2 MB pages are then dropped (posix_fadvise DONTNEED; the kernel keeps any another process maps) and
+        read again through this map, as 2 MB folios, as many as the free 2 MB blocks allow. Linux only; elsewhere,
+        or where the file system gives no large folios, 0."""
         if sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
             return 0
         huge = 0
@@ -257,21 +258,18 @@ class GGUFFile:
                             if (page + 1) * HUGE_PAGE <= len(view)})
             if not pages:
                 continue
-            at = np.array(pages, np.int64) * HUGE_PAGE
-            int(view[at].sum())  # a fault in each 2 MB maps it whole where the page cache has it as one folio
-            mapped_huge = _pmd_mapped(view.ctypes.data)
-            if mapped_huge < len(pages) * HUGE_PAGE // 2:
+            small = _small_pages(mapped, view, pages)[: _free_2mb_blocks()]
+            if small:
                 with contextlib.suppress(OSError):
                     fd = os.open(path, os.O_RDONLY)
                     try:
-                        for first, count in _runs(pages):
+                        for first, count in _runs(small):
                             mapped.madvise(mmap.MADV_DONTNEED, first * HUGE_PAGE, count * HUGE_PAGE)  # this process's hold
                             os.posix_fadvise(fd, first * HUGE_PAGE, count * HUGE_PAGE, os.POSIX_FADV_DONTNEED)
                     finally:
                         os.close(fd)
-                int(view[at].sum())
-                mapped_huge = _pmd_mapped(view.ctypes.data)
-            huge += mapped_huge
+                int(view[np.array(small, np.int64) * HUGE_PAGE].sum())
+            huge += _pmd_mapped(view.ctypes.data)
         return huge
 
     def header_hash(self) -> str:
@@ -296,6 +294,40 @@ def _runs(pages: list[int]) -> Iterator[tuple[int, int]]:
             first = page
         previous = page
     yield first, previous + 1 - first
+
+
+def _small_pages(mapped: mmap.mmap, view: np.ndarray, pages: list[int]) -> list[int]:
+    """Those of `pages` (2 MB pages of the map) that this process maps in 4 KB pages, each touched once. A fault in
+    a page that the page cache holds as one 2 MB folio maps all of it; in smaller folios, only the 64 KB around the
+    address. So each page's last 4 KB, mapped or not after a touch of its first byte, says which (the present bit
+    of /proc/self/pagemap, which needs no privilege). This map's hold is dropped first (MADV_DONTNEED leaves the
+    page cache as it is): a page read before would show whole. Where pagemap cannot be read, all of them if less
+    than half is mapped in 2 MB pages, else none."""
+    for first, count in _runs(pages):
+        mapped.madvise(mmap.MADV_DONTNEED, first * HUGE_PAGE, count * HUGE_PAGE)
+    int(view[np.array(pages, np.int64) * HUGE_PAGE].sum())
+    base = view.ctypes.data
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+        try:
+            return [page for page in pages
+                    if not int.from_bytes(os.pread(fd, 8, (base + (page + 1) * HUGE_PAGE - mmap.PAGESIZE) // mmap.PAGESIZE * 8),
+                                          "little") >> 63]
+        finally:
+            os.close(fd)
+    except OSError:
+        return pages if _pmd_mapped(base) < len(pages) * HUGE_PAGE // 2 else []
+
+
+def _free_2mb_blocks() -> int:
+    """How many free blocks of 2 MB the kernel has (/proc/buddyinfo, orders 9 and up): a page read again where
+    there are none comes back in small folios, and reading it from the disk again at every load gains nothing."""
+    try:
+        lines = Path("/proc/buddyinfo").read_text().splitlines()
+    except OSError:
+        return sys.maxsize
+    return sum(int(count) << (order - 9) for line in lines
+               for order, count in enumerate(line.split()[4:]) if order >= 9 and count.isdigit())
 
 
 def _pmd_mapped(address: int) -> int:
