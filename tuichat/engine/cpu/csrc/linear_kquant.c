@@ -1223,16 +1223,69 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     return 0;
 }
 
-/* Up to KQ_MR input rows (a decode) against several K-quant weights of the same input width side by side (a
- * file's separate q, k and v, or gate and up: y's row holds their outputs one after another), in one parallel
- * region: the inputs quantized once per order the parts need, all the parts' tiles shared out as one loop.
- * Part by part, each small linear paid a region of its own and its threads' uneven finish. Each output's
- * arithmetic is kquant_linear's. -1 for what it does not take (the caller goes part by part). */
+enum { MAX_PARTS = 4 };
+
+#if defined(KG_ROWS)
+/* kquant_linear_parts beyond a decode, where every part takes the GEMM (its rows a multiple of KG_ROWS, M at
+ * least its format's threshold, and no lanes kernel for M): the inputs quantized once per order, block-major as
+ * the GEMM reads them, and every part's tiles handed out from one loop. -1 where a part does not. */
+static int kquant_parts_gemm(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
+                             const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
+                             long y_stride, int threads, int f32) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    if (M >= KX_MIN_M && M <= KX_MAX_M) return -1;
+#endif
+    const int blocks = K / QK;
+    int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}, orders = 0; /* first[i]: part i's first tile; at: column */
+    for (int i = 0; i < parts; i++) {
+        const int least = formats[i] == FMT_Q4_K ? KG_MIN_M : formats[i] == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6;
+        if (!kquant_format(formats[i]) || (formats[i] == FMT_Q5_K && !KG_Q5_K) || M < least || sizes[i] % KG_ROWS)
+            return -1;
+        first[i + 1] = first[i] + sizes[i] / KG_ROWS;
+        if (i) at[i] = at[i - 1] + sizes[i - 1];
+        orders |= formats[i] != FMT_Q6_K ? 1 : 2;
+    }
+    const size_t one = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
+    const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, 2 * one + own * threads + 64);
+    if (!memory) return -2;
+    q8_block *xq[2] = {(q8_block *)memory, (q8_block *)(memory + one)}; /* in Q4_K's order, in the natural one */
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < 2 * M; i++)
+            if (orders & (1 << (i / M))) quantize_row(x, f32, (long)(i % M) * x_stride, K, i < M, xq[i / M] + i % M, M);
+        char *mine = (char *)(((uintptr_t)(memory + 2 * one) + 63) / 64 * 64) + own * omp_get_thread_num();
+        #pragma omp for schedule(dynamic, M >= 64 ? 1 : 64 / M) nowait /* as kquant_linear's GEMM */
+        for (int t = 0; t < first[parts]; t++) {
+            int i = 0;
+            while (t >= first[i + 1]) i++;
+            kg_tile(weights[i], (long)blocks * kq_block_bytes(formats[i]), blocks, formats[i], xq[formats[i] == FMT_Q6_K],
+                    M, (t - first[i]) * KG_ROWS, sizes[i], (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
+                    bias ? bias + at[i] : NULL, (char *)y + (long)at[i] * (f32 ? 4 : 2), y_stride, f32);
+        }
+    }
+    return 0;
+}
+#endif
+
+/* Several K-quant weights of the same input width side by side (a file's separate q, k and v, or gate and up:
+ * y's row holds their outputs one after another), in one parallel region: the inputs quantized once per order
+ * the parts need, all the parts' tiles shared out as one loop. Part by part, each small linear paid a region of
+ * its own and its threads' uneven finish, and a prefill quantized its inputs once per part. Up to KQ_MR rows (a
+ * decode) through the row tiles, more through the GEMM (kquant_parts_gemm). Each output's arithmetic is
+ * kquant_linear's. -1 for what it does not take (the caller goes part by part). */
 int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
                         const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
                         long y_stride, int threads, int f32) {
-    enum { MAX_PARTS = 4 };
-    if (M < 1 || M > KQ_MR || parts < 1 || parts > MAX_PARTS || K % QK || K / QK > KQ_MAX_BLOCKS) return -1;
+    if (M < 1 || M > 512 || parts < 1 || parts > MAX_PARTS || K % QK || K / QK > KQ_MAX_BLOCKS) return -1;
+    if (M > KQ_MR) {
+#if defined(KG_ROWS)
+        return kquant_parts_gemm(s, x, weights, formats, sizes, parts, bias, y, M, K, x_stride, y_stride, threads, f32);
+#else
+        return -1;
+#endif
+    }
     const int blocks = K / QK;
     int first[MAX_PARTS + 1] = {0}, orders = 0; /* first[i]: part i's first tile in the shared loop */
     for (int i = 0; i < parts; i++) {
