@@ -1239,8 +1239,7 @@ static int kquant_parts_gemm(scratch *s, const void *x, const void *const *weigh
     int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}, orders = 0; /* first[i]: part i's first tile; at: column */
     for (int i = 0; i < parts; i++) {
         const int least = formats[i] == FMT_Q4_K ? KG_MIN_M : formats[i] == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6;
-        if (!kquant_format(formats[i]) || (formats[i] == FMT_Q5_K && !KG_Q5_K) || M < least || sizes[i] % KG_ROWS)
-            return -1;
+        if (!kquant_format(formats[i]) || M < least || sizes[i] % KG_ROWS) return -1;
         first[i + 1] = first[i] + sizes[i] / KG_ROWS;
         if (i) at[i] = at[i - 1] + sizes[i - 1];
         orders |= formats[i] != FMT_Q6_K ? 1 : 2;
