@@ -336,8 +336,10 @@ static void silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int width
  * weights at `weights[i]` in format `formats[i]`, each sizes[i] outputs wide. Stops at the first failure. */
 static int linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats, const int *sizes,
                         int parts, const uint16_t *bias, void *y, int rows, int out, int width, int threads, int f32) {
-    if (parts > 1) {  /* a decode's K-quant parts in one region (kquant_linear_parts); else part by part */
+    if (parts > 1) {  /* K-quant parts, or a decode's pairs, in one region; else part by part */
         int status = kquant_linear_parts(s, x, weights, formats, sizes, parts, bias, y, rows, width, width, out, threads, f32);
+        if (status == -1)
+            status = int8_linear_parts(s, x, weights, formats, sizes, parts, bias, y, rows, width, width, out, threads, f32);
         if (status != -1) return status;
     }
     for (int i = 0, at = 0; i < parts; at += sizes[i++]) {

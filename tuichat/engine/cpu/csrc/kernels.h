@@ -198,6 +198,10 @@ int scratch_linear(scratch *s, const void *x, const void *w, int format, const u
 int kquant_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
                         const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
                         long y_stride, int threads, int f32);
+/* The same for the AVX2 pairs' formats (arch/x86/linear_int8.c), up to 4 rows; -1: part by part. */
+int int8_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats, const int *sizes,
+                      int parts, const uint16_t *bias, void *y, int M, int K, long x_stride, long y_stride, int threads,
+                      int f32);
 const char *quant_math(int format, int K);
 const char *pack_layout(int format, int K);
 int pack_blocks(const uint8_t *src, int format, int N, int K, uint8_t *dst);

@@ -284,6 +284,27 @@ static void ig_tile(const uint8_t *w, long row_bytes, const int format, int pair
 }
 #endif
 
+/* The quad of weight rows at `quad` (its first row n0) against the M input rows: passes of I8_MR rows, then one
+ * at a time, the format a constant in each copy. */
+static inline __attribute__((always_inline)) void int8_quad(const uint8_t *quad, int format, int pairs,
+                                                            const quantized_inputs *in, const uint16_t *bias, void *y,
+                                                            long y_stride, int n0, int M, int f32) {
+    const int full = M / I8_MR * I8_MR;
+#define I8_TILES(FMT)                                                                                   \
+    do {                                                                                                \
+        for (int m0 = 0; m0 < full; m0 += I8_MR) int8_tile(quad, FMT, pairs, in, bias, y, y_stride, n0, m0, I8_MR, f32); \
+        for (int m0 = full; m0 < M; m0++) int8_tile(quad, FMT, pairs, in, bias, y, y_stride, n0, m0, 1, f32); \
+    } while (0)
+    switch (format) {
+        case FMT_Q4_0: I8_TILES(FMT_Q4_0); break;
+        case FMT_Q4_1: I8_TILES(FMT_Q4_1); break;
+        case FMT_Q5_0: I8_TILES(FMT_Q5_0); break;
+        case FMT_Q5_1: I8_TILES(FMT_Q5_1); break;
+        default: I8_TILES(FMT_Q8_0); break;
+    }
+#undef I8_TILES
+}
+
 int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M,
                 int N, int K, long x_stride, long y_stride, int threads, int f32) {
     const int pairs = K / 64;
@@ -299,7 +320,6 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
     char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes + (gemm ? own * threads + 64 : 0));
     if (!memory) return -2;
     quantized_inputs in = {(int8_t *)memory, (float *)(memory + (size_t)M * K), gemm ? 1 : pairs, gemm ? M : 1};
-    const int full = M / I8_MR * I8_MR;
     #pragma omp parallel num_threads(threads)
     {
     const int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
@@ -315,30 +335,57 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
     } else
 #endif
     #pragma omp for schedule(guided, 8) nowait /* as kquant_linear's row tiles */
-    for (int t = 0; t < N / I8_NR; t++) {
-        const uint8_t *quad = w + (long)t * I8_NR * row_bytes;
-#define I4_0_TILE(mr, m0) int8_tile(quad, FMT_Q4_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
-#define I4_1_TILE(mr, m0) int8_tile(quad, FMT_Q4_1, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
-#define I8_0_TILE(mr, m0) int8_tile(quad, FMT_Q8_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
-#define I5_0_TILE(mr, m0) int8_tile(quad, FMT_Q5_0, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
-#define I5_1_TILE(mr, m0) int8_tile(quad, FMT_Q5_1, pairs, &in, bias, y, y_stride, t * I8_NR, m0, mr, f32)
-#define I8_TILES(TILE) \
-    do { \
-        for (int m0 = 0; m0 < full; m0 += I8_MR) TILE(I8_MR, m0); \
-        for (int m0 = full; m0 < M; m0++) TILE(1, m0); \
-    } while (0)
-        switch (format) {
-            case FMT_Q4_0: I8_TILES(I4_0_TILE); break;
-            case FMT_Q4_1: I8_TILES(I4_1_TILE); break;
-            case FMT_Q5_0: I8_TILES(I5_0_TILE); break;
-            case FMT_Q5_1: I8_TILES(I5_1_TILE); break;
-            default: I8_TILES(I8_0_TILE); break;
-        }
+    for (int t = 0; t < N / I8_NR; t++)
+        int8_quad(w + (long)t * I8_NR * row_bytes, format, pairs, &in, bias, y, y_stride, t * I8_NR, M, f32);
+    }
+    return 0;
+}
+
+/* Up to 4 input rows (a decode) against several weights of this path side by side (a file's separate q, k and v,
+ * or gate and up: y's row holds their outputs one after another), in one parallel region, as
+ * kquant_linear_parts: the inputs quantized once (their layout is every format's), every part's quads handed out
+ * from one loop. Each output's arithmetic is int8_linear's. -1 for what it does not take (part by part). */
+int int8_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats, const int *sizes,
+                      int parts, const uint16_t *bias, void *y, int M, int K, long x_stride, long y_stride, int threads,
+                      int f32) {
+    enum { MAX_PARTS = 4 };
+    if (M < 1 || M > 4 || parts < 1 || parts > MAX_PARTS || !int8_path(K) || tiled_path(K) || K / 32 > MAX_BLOCKS)
+        return -1;
+    int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}; /* first[i]: part i's first quad; at: its first column */
+    for (int i = 0; i < parts; i++) {
+        if (!block_bytes(formats[i]) || formats[i] != same_layout(formats[i]) || sizes[i] % 16) return -1;
+        first[i + 1] = first[i] + sizes[i] / I8_NR;
+        if (i) at[i] = at[i - 1] + sizes[i - 1];
+    }
+    const int pairs = K / 64;
+    const size_t x_bytes = ((size_t)M * K + sizeof(float) * 16 * (size_t)M * pairs + 63) / 64 * 64;
+    char *memory = scratch_reserve(s, SCRATCH_LINEAR, x_bytes);
+    if (!memory) return -2;
+    quantized_inputs in = {(int8_t *)memory, (float *)(memory + (size_t)M * K), pairs, 1};
+    #pragma omp parallel num_threads(threads)
+    {
+    const int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), from = omp_get_thread_num() * share;
+    quantize_inputs(x, f32, from < M ? from : M, from + share < M ? from + share : M, K, x_stride, &in);
+    #pragma omp barrier
+    #pragma omp for schedule(guided, 8) nowait
+    for (int t = 0; t < first[parts]; t++) {
+        int i = 0;
+        while (t >= first[i + 1]) i++;
+        const long row_bytes = (long)(K / 32) * block_bytes(formats[i]);
+        int8_quad((const uint8_t *)weights[i] + (long)(t - first[i]) * I8_NR * row_bytes, formats[i], pairs, &in,
+                  bias ? bias + at[i] : NULL, (char *)y + (long)at[i] * (f32 ? 4 : 2), y_stride, (t - first[i]) * I8_NR, M, f32);
     }
     }
     return 0;
 }
 #else
 int int8_path(int K) { (void)K; return 0; }
+int int8_linear_parts(scratch *s, const void *x, const void *const *weights, const int32_t *formats, const int *sizes,
+                      int parts, const uint16_t *bias, void *y, int M, int K, long x_stride, long y_stride, int threads,
+                      int f32) {
+    (void)s, (void)x, (void)weights, (void)formats, (void)sizes, (void)parts, (void)bias, (void)y, (void)M, (void)K;
+    (void)x_stride, (void)y_stride, (void)threads, (void)f32;
+    return -1;
+}
 #endif
 
