@@ -185,8 +185,9 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *quad,
  * linear_kquant.c's. Each pair of blocks of a group's 8 rows is unpacked once (an 8 x 8 dword transpose) into
  * vectors of 4 weights, lane r weight row r; each 4 inputs, broadcast once, meet both groups' with maddubs
  * (a broadcast costs a vector pipe's slot on Zen 3), and a block's 8 products a lane add up in int16
- * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 12. Q4 only:
- * Q8_0's signed products fill the int16 lanes. */
+ * (8 x 2 x 15 x 127 fits) before one madd: 9 multiplies per 32 x 8 products, where the tiles pay 12. Q5's
+ * quants reach 31: 4 products at a time (4 x 2 x 31 x 127 fits), two madds. Not Q8_0: its signed products fill
+ * the int16 lanes. */
 #define IG_GROUPS 2 /* groups of 8 weight rows (two quads) per tile: each input broadcast meets both */
 #define IG_ROWS (8 * IG_GROUPS)
 #define IG_MR 2     /* input rows per pass over an unpacked pair */
@@ -209,23 +210,36 @@ static inline __m256 halves_2x4(const uint8_t *a, const uint8_t *b) {
 
 static inline void ig_unpack(const uint8_t *quad0, const uint8_t *quad1, const int format, ig_half *u) {
     const __m256i nib = _mm256_set1_epi8(15);
+    const int five = five_bit(format), q_bytes = five ? 40 : 32, scales = 4 * q_bytes;
     __m256i v[8];
-    transpose_8x8(quad0, quad1, 32, v); /* dwords 0-3: A's bytes (weights 4k.. low, 16 + 4k.. high), 4-7: B's */
+    transpose_8x8(quad0, quad1, q_bytes, v); /* dwords 0-3: A's bytes (weights 4k.. low, 16 + 4k.. high), 4-7: B's */
     for (int side = 0; side < 2; side++)
         for (int k = 0; k < 4; k++) {
             u->w[side][k] = _mm256_and_si256(v[4 * side + k], nib);
             u->w[side][k + 4] = _mm256_and_si256(_mm256_srli_epi16(v[4 * side + k], 4), nib);
         }
+    if (five)
+        for (int side = 0; side < 2; side++) { /* each row's fifth bits of the block: bit j, weight j's */
+            int32_t bits[8];
+            for (int r = 0; r < 8; r++) memcpy(bits + r, (r < 4 ? quad0 : quad1) + (r % 4) * q_bytes + 32 + 4 * side, 4);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)bits);
+            for (int g = 0; g < 8; g++) { /* w[side][g] holds weights 4g..4g+3: bit i of the 4 to bit 4 of byte i */
+                const __m256i four = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * g), _mm256_set1_epi32(15));
+                u->w[side][g] = _mm256_or_si256(u->w[side][g], _mm256_and_si256(
+                    _mm256_mullo_epi32(four, _mm256_set1_epi32(0x02040810)), _mm256_set1_epi32(0x10101010)));
+            }
+        }
     for (int side = 0; side < 2; side++) {
-        u->d[side] = halves_2x4(quad0 + 128 + 8 * side, quad1 + 128 + 8 * side);
-        u->m[side] = format == FMT_Q4_1 ? halves_2x4(quad0 + 144 + 8 * side, quad1 + 144 + 8 * side)
-                                        : _mm256_mul_ps(u->d[side], _mm256_set1_ps(-8.0f));
+        u->d[side] = halves_2x4(quad0 + scales + 8 * side, quad1 + scales + 8 * side);
+        u->m[side] = format == FMT_Q4_1 || format == FMT_Q5_1
+                         ? halves_2x4(quad0 + scales + 16 + 8 * side, quad1 + scales + 16 + 8 * side)
+                         : _mm256_mul_ps(u->d[side], _mm256_set1_ps(five ? -16.0f : -8.0f));
     }
 }
 
 /* Input rows m0.. against an unpacked pair: out holds per input row o_A's 16 lanes, then o_B's. */
 static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, const quantized_inputs *in, int pairs,
-                                                          int p, int m0, const int mr, float *out) {
+                                                          int p, int m0, const int mr, const int five, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xq[IG_MR]; /* the rows' inputs and scales at pair p, once: out's stores might alias `in` */
     const float *xscales[IG_MR];
@@ -234,15 +248,24 @@ static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, cons
         xscales[j] = in->scales + slot(in, m0 + j, p) * 16;
     }
     for (int side = 0; side < 2; side++) {
-        __m256i s16[IG_MR][IG_GROUPS];
-        for (int g = 0; g < 8; g++)
+        __m256i s16[IG_MR][IG_GROUPS], s32[IG_MR][IG_GROUPS];
+        for (int g = 0; g < 8; g++) {
             for (int j = 0; j < mr; j++) {
                 const __m256i x = broadcast_four(xq[j] + 32 * (g / 4) + 16 * side + 4 * (g % 4));
                 for (int h = 0; h < IG_GROUPS; h++) {
                     const __m256i d = _mm256_maddubs_epi16(u->g[h].w[side][g], x);
-                    s16[j][h] = g == 0 ? d : _mm256_add_epi16(s16[j][h], d);
+                    s16[j][h] = g == 0 || (five && g == 4) ? d : _mm256_add_epi16(s16[j][h], d);
                     __asm__("" : "+x"(s16[j][h])); /* one chain each: GCC's tree of these adds spills */
                 }
+            }
+            if (five && g == 3) /* Q5: the first 4 products' sums to int32 before they could overflow */
+                for (int j = 0; j < mr; j++)
+                    for (int h = 0; h < IG_GROUPS; h++) s32[j][h] = _mm256_madd_epi16(s16[j][h], ones);
+        }
+        for (int j = 0; j < mr; j++)
+            for (int h = 0; h < IG_GROUPS; h++) {
+                const __m256i last = _mm256_madd_epi16(s16[j][h], ones);
+                s32[j][h] = five ? _mm256_add_epi32(s32[j][h], last) : last;
             }
         for (int j = 0; j < mr; j++) {
             const __m256 dx = _mm256_broadcast_ss(xscales[j] + 4 * side);
@@ -250,8 +273,7 @@ static inline __attribute__((always_inline)) void ig_rows(const ig_pair *u, cons
             for (int h = 0; h < IG_GROUPS; h++) {
                 float *o = out + (long)(m0 + j) * 2 * IG_ROWS + IG_ROWS * side + 8 * h;
                 __m256 acc = _mm256_loadu_ps(o);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][h], ones)),
-                                      _mm256_mul_ps(u->g[h].d[side], dx), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[j][h]), _mm256_mul_ps(u->g[h].d[side], dx), acc);
                 acc = _mm256_fmadd_ps(u->g[h].m[side], sx, acc);
                 _mm256_storeu_ps(o, acc);
             }
@@ -272,8 +294,13 @@ static void ig_tile(const uint8_t *w, long row_bytes, const int format, int pair
         for (int h = 0; h < IG_GROUPS; h++)
             ig_unpack(first + 8 * h * row_bytes + (long)p * pair_bytes, first + (8 * h + 4) * row_bytes + (long)p * pair_bytes,
                       format, &u->g[h]);
-        for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, out);
-        for (int m0 = full; m0 < M; m0++) ig_rows(u, in, pairs, p, m0, 1, out);
+        if (five_bit(format)) {
+            for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, 1, out);
+            for (int m0 = full; m0 < M; m0++) ig_rows(u, in, pairs, p, m0, 1, 1, out);
+        } else {
+            for (int m0 = 0; m0 < full; m0 += IG_MR) ig_rows(u, in, pairs, p, m0, IG_MR, 0, out);
+            for (int m0 = full; m0 < M; m0++) ig_rows(u, in, pairs, p, m0, 1, 0, out);
+        }
     }
     for (int m = 0; m < M; m++) {
         float *o = out + (long)m * 2 * IG_ROWS;
@@ -311,7 +338,7 @@ int int8_linear(scratch *s, const void *x, const uint8_t *w, int format, const u
     const long row_bytes = (long)(K / 32) * block_bytes(format);
     const size_t x_bytes = ((size_t)M * K + sizeof(float) * 16 * (size_t)M * pairs + 63) / 64 * 64;
 #if I8_MADDUBS
-    const int gemm = (format == FMT_Q4_0 || format == FMT_Q4_1) && M >= IG_MIN_M && N % IG_ROWS == 0;
+    const int gemm = format != FMT_Q8_0 && M >= IG_MIN_M && N % IG_ROWS == 0;
     const size_t own = (sizeof(ig_pair) + sizeof(float) * 2 * IG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
