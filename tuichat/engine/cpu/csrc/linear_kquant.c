@@ -962,6 +962,9 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #endif
 
 #if defined(KG_ROWS)
+/* The input rows from which `format` takes the GEMM. */
+static inline int kg_least(int format) { return format == FMT_Q4_K ? KG_MIN_M : format == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6; }
+
 static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, const q8_block *xq, int M, int n0,
                     int N, kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
@@ -1159,8 +1162,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const size_t kx_bytes = 0;
 #endif
 #if defined(KG_ROWS)
-    const int least = format == FMT_Q4_K ? KG_MIN_M : format == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6;
-    const int gemm = !lanes && M >= least && N % KG_ROWS == 0;
+    const int gemm = !lanes && M >= kg_least(format) && N % KG_ROWS == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
@@ -1238,8 +1240,7 @@ static int kquant_parts_gemm(scratch *s, const void *x, const void *const *weigh
     const int blocks = K / QK;
     int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}, orders = 0; /* first[i]: part i's first tile; at: column */
     for (int i = 0; i < parts; i++) {
-        const int least = formats[i] == FMT_Q4_K ? KG_MIN_M : formats[i] == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6;
-        if (!kquant_format(formats[i]) || M < least || sizes[i] % KG_ROWS) return -1;
+        if (!kquant_format(formats[i]) || M < kg_least(formats[i]) || sizes[i] % KG_ROWS) return -1;
         first[i + 1] = first[i] + sizes[i] / KG_ROWS;
         if (i) at[i] = at[i - 1] + sizes[i - 1];
         orders |= formats[i] != FMT_Q6_K ? 1 : 2;
