@@ -79,6 +79,8 @@ def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
         assert torch.equal(kernels.linear(x[5:11].to(dtype), weight, None), together[5:11])
         assert torch.equal(kernels.linear(x[7:11].to(dtype), weight, None), together[7:11])
         assert torch.equal(kernels.linear(x[3:20].to(dtype), weight, None), together[3:20])
+        for rows in range(33, 41):  # the GEMM's passes of input rows and each remainder after them
+            assert torch.equal(kernels.linear(x[:rows].to(dtype), weight, None), together[:rows])
 
 
 def test_a_shape_the_k_quant_linear_cannot_take_is_refused(kernels):

@@ -626,7 +626,8 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
-#define KG_MR 4     /* input rows per pass over an unpacked super-block */
+#define KG_MR 8     /* input rows per pass over an unpacked super-block: Zen 5 runs two 512-bit dpbusd a cycle, and
+                     * 16 chains (8 rows) kept it busier than 8 (docs/design/kernels.md) */
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
 #define KG_MIN_M_Q5 KG_MIN_M
@@ -1000,6 +1001,10 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
                 case 1: KG_PASS(kind, 1, full); break;                              \
                 case 2: if (KG_MR > 2) KG_PASS(kind, 2, full); break;               \
                 case 3: if (KG_MR > 3) KG_PASS(kind, 3, full); break;               \
+                case 4: if (KG_MR > 4) KG_PASS(kind, 4, full); break;               \
+                case 5: if (KG_MR > 5) KG_PASS(kind, 5, full); break;               \
+                case 6: if (KG_MR > 6) KG_PASS(kind, 6, full); break;               \
+                case 7: if (KG_MR > 7) KG_PASS(kind, 7, full); break;               \
                 default: break;                                                     \
             }                                                                       \
         } while (0)
