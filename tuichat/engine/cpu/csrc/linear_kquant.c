@@ -1021,37 +1021,50 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 /* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, speculation's verify rows) the other way round from
  * the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its 256 quants in natural
- * order (ands and shifts, no transposes), and each 4 of them, broadcast, meet the 8 input rows' 4 inputs at that
- * position with one 256-bit dpbusd; the inputs are transposed once per call. The sub-blocks' scales multiply
- * the 8 rows' sums at once. Same exact int32 S and Ms, same fmas in the same order: the same outputs. */
-#define KX_LANES 8  /* input rows per pass: an int32 lane each */
-#define KX_NR 4     /* weight rows unpacked together (their broadcasts share each load of the inputs) */
+ * order (ands and shifts, no transposes), two weight rows' interleaved dword by dword, so that one 8-byte broadcast
+ * puts row A's 4 quants at a position in the even lanes and row B's in the odd; the 8 input rows' 4 inputs there,
+ * each laid out twice (lanes 2i and 2i + 1), meet both rows in one 512-bit dpbusd. The inputs are laid out once per
+ * call. The sub-blocks' scales multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same
+ * order: the same outputs. */
+#define KX_LANES 8  /* input rows per pass: two int32 lanes each (one per weight row of a pair) */
+#define KX_NR 4     /* weight rows unpacked together (two pairs: their broadcasts share each load of the inputs) */
 #define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
 #define KX_MAX_M 32
 
-/* KX_LANES input rows at one super-block: dword p (inputs 4p..4p+3, natural order) of each, their scales, Q4_K's
- * sub-block sums as int16 pairs (lane: s[2k] | s[2k + 1] << 16), Q6_K's -32 times the sum of each 16. */
+/* KX_LANES input rows at one super-block, each twice (lanes 2i, 2i + 1): dword p (inputs 4p..4p+3, natural order)
+ * of each, their scales, Q4_K's sub-block sums as int16 pairs (s[2k] | s[2k + 1] << 16), Q6_K's -32 times the sum
+ * of each 16. */
 typedef struct {
-    int32_t q[64][KX_LANES];
-    float d[KX_LANES];
-    int32_t halves[4][KX_LANES];
-    int32_t sums32[16][KX_LANES];
+    int32_t q[64][2 * KX_LANES];
+    float d[2 * KX_LANES];
+    int32_t halves[4][2 * KX_LANES];
+    int32_t sums32[16][2 * KX_LANES];
 } kx_block;
 
 static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int b, kx_block *o) {
     memset(o, 0, sizeof *o);
     for (int i = 0; i < KX_LANES && mt * KX_LANES + i < M; i++) {
         const q8_block *a = xq + (long)(mt * KX_LANES + i) * blocks + b;
-        for (int p = 0; p < 64; p++) memcpy(&o->q[p][i], a->q + (q4 ? 32 * Q4_K_ORDER[p / 8] + 4 * (p % 8) : 4 * p), 4);
-        o->d[i] = a->d;
-        for (int k = 0; k < 4; k++)
-            o->halves[k][i] = (int32_t)((uint32_t)(uint16_t)a->halves[2 * k] | (uint32_t)(uint16_t)a->halves[2 * k + 1] << 16);
-        for (int g = 0; g < 16; g++) o->sums32[g][i] = -32 * a->sums[g];
+        const int32_t halves[4] = {
+            (int32_t)((uint32_t)(uint16_t)a->halves[0] | (uint32_t)(uint16_t)a->halves[1] << 16),
+            (int32_t)((uint32_t)(uint16_t)a->halves[2] | (uint32_t)(uint16_t)a->halves[3] << 16),
+            (int32_t)((uint32_t)(uint16_t)a->halves[4] | (uint32_t)(uint16_t)a->halves[5] << 16),
+            (int32_t)((uint32_t)(uint16_t)a->halves[6] | (uint32_t)(uint16_t)a->halves[7] << 16)};
+        for (int twice = 2 * i; twice < 2 * i + 2; twice++) {
+            for (int p = 0; p < 64; p++)
+                memcpy(&o->q[p][twice], a->q + (q4 ? 32 * Q4_K_ORDER[p / 8] + 4 * (p % 8) : 4 * p), 4);
+            o->d[twice] = a->d;
+            for (int k = 0; k < 4; k++) o->halves[k][twice] = halves[k];
+            for (int g = 0; g < 16; g++) o->sums32[g][twice] = -32 * a->sums[g];
+        }
     }
 }
 
-/* Row `blk`'s super-block: its quants in natural order into wb (0..15, or Q6_K's 0..63), and its scales. */
-static inline void kx_unpack(const uint8_t *blk, int q4, uint8_t *wb, float *d, float *nd, int32_t *sc, int32_t *mn) {
+/* One weight row's super-block: its quants in natural order as 8 vectors of 32 (0..15, or Q6_K's 0..63), its
+ * scales as int32 (Q4_K's 8, Q6_K's 16) and (Q4_K) minimums' int16 pairs (dword k: m[2k] | m[2k + 1] << 16), d
+ * and -dmin. */
+static inline __attribute__((always_inline)) void kx_unpack(const uint8_t *blk, int q4, __m256i wv[8], float *d,
+                                                            float *nd, __m512i *sc, __m128i *mn) {
     const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
     if (q4) {
         uint16_t h[2];
@@ -1059,13 +1072,12 @@ static inline void kx_unpack(const uint8_t *blk, int q4, uint8_t *wb, float *d, 
         *d = half_to_float(h[0]);
         *nd = -half_to_float(h[1]);
         const __m128i both = q4_k_scales_v(blk + 4);
-        /* the scales as int32, the minimums' pairs as int16 (dword k: m[2k] | m[2k + 1] << 16) */
-        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepu8_epi32(both));
-        _mm_storeu_si128((__m128i *)mn, _mm_cvtepu8_epi16(_mm_srli_si128(both, 8)));
+        *sc = _mm512_cvtepu8_epi32(both); /* lanes 8-15 hold the minimums: unused */
+        *mn = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            _mm256_store_si256((__m256i *)(wb + 64 * c), _mm256_and_si256(v, nib));
-            _mm256_store_si256((__m256i *)(wb + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+            wv[2 * c] = _mm256_and_si256(v, nib);
+            wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
         return;
     }
@@ -1073,32 +1085,39 @@ static inline void kx_unpack(const uint8_t *blk, int q4, uint8_t *wb, float *d, 
     memcpy(&dh, blk + 208, 2);
     *d = half_to_float(dh);
     *nd = 0.0f;
-    for (int g = 0; g < 16; g++) sc[g] = (int8_t)blk[192 + g];
+    *sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    *mn = _mm_setzero_si128();
     for (int h = 0; h < 2; h++) { /* weights 128h + 32t + i: ql's nibble t / 2 of chunk t % 2, qh's pair t */
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
         for (int t = 0; t < 4; t++) {
             const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t % 2)));
             const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t / 2)), nib);
             const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-            _mm256_store_si256((__m256i *)(wb + 128 * h + 32 * t), _mm256_or_si256(lo, hi));
+            wv[4 * h + t] = _mm256_or_si256(lo, hi);
         }
     }
 }
 
-static inline int32_t w_four(const uint8_t *p) {
-    int32_t four;
-    memcpy(&four, p, 4);
-    return four;
+/* Where dword p of a pair's interleaved quants sits, in 8-byte pairs: unpacklo/hi of two vectors of 8 dwords
+ * give p = 0, 1, 4, 5 then 2, 3, 6, 7 of each 8. */
+static inline int kx_pair_at(int p) { return (p & ~7) | (p & 1) | (p & 2) << 1 | (p & 4) >> 1; }
+
+static inline int64_t kx_eight(const void *p) {
+    int64_t eight;
+    memcpy(&eight, p, 8);
+    return eight;
 }
 
-/* Weight rows n0..n0+KX_NR-1 against all M input rows: acc holds [M tiles][KX_NR][KX_LANES] sums. */
+/* Weight rows n0..n0+KX_NR-1 against all M input rows: acc holds [M tiles][KX_NR / 2 pairs][2 * KX_LANES] sums
+ * (lane 2i + j: input row i, the pair's row j). */
 static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long row_bytes, int blocks, const int q4,
                                                           const kx_block *kx, int M, int n0, float *acc,
                                                           const uint16_t *bias, void *y, long y_stride, int f32) {
+    enum { PAIRS = KX_NR / 2 };
     const int tiles = (M + KX_LANES - 1) / KX_LANES, bytes = q4 ? Q4_K_BYTES : Q6_K_BYTES;
-    _Alignas(32) uint8_t wb[KX_NR][QK];
-    float d[KX_NR], nd[KX_NR];
-    int32_t sc[KX_NR][16], mn[KX_NR][4];
+    _Alignas(64) int32_t wb[PAIRS][128]; /* a pair's quants, dword p of each row side by side (kx_pair_at) */
+    _Alignas(64) int32_t sc[PAIRS][16][2], mn[PAIRS][4][2];
+    float d[PAIRS][2], nd[PAIRS][2];
     memset(acc, 0, sizeof(float) * KX_NR * KX_LANES * (size_t)tiles);
     for (int b = 0; b < blocks; b++) {
         /* The tile's KX_NR rows lie one after another, and a thread's tiles too: a pointer that crosses the tile's
@@ -1106,48 +1125,72 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
          * each row's next super-block into L1 instead left a third of the time waiting on DRAM. */
         const char *ahead = (const char *)w + (long)n0 * row_bytes + (long)b * KX_NR * bytes + KQ_AHEAD;
         for (int line = 0; line < KX_NR * bytes; line += 64) _mm_prefetch(ahead + line, KQ_HINT);
-        for (int r = 0; r < KX_NR; r++)
-            kx_unpack(w + (long)(n0 + r) * row_bytes + (long)b * bytes, q4, wb[r], d + r, nd + r, sc[r], mn[r]);
+        for (int pr = 0; pr < PAIRS; pr++) {
+            __m256i a[8], c[8];
+            __m512i sa, sb;
+            __m128i ma, mb;
+            kx_unpack(w + (long)(n0 + 2 * pr) * row_bytes + (long)b * bytes, q4, a, &d[pr][0], &nd[pr][0], &sa, &ma);
+            kx_unpack(w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, c, &d[pr][1], &nd[pr][1], &sb, &mb);
+            for (int k = 0; k < 8; k++) {
+                _mm256_store_si256((__m256i *)(wb[pr] + 16 * k), _mm256_unpacklo_epi32(a[k], c[k]));
+                _mm256_store_si256((__m256i *)(wb[pr] + 16 * k + 8), _mm256_unpackhi_epi32(a[k], c[k]));
+            }
+            /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
+            const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            _mm512_store_si512(sc[pr][0], _mm512_permutex2var_epi32(sa, first, sb));
+            if (!q4) _mm512_store_si512(sc[pr][8], _mm512_permutex2var_epi32(sa, _mm512_add_epi32(first, _mm512_set1_epi32(8)), sb));
+            _mm_store_si128((__m128i *)mn[pr][0], _mm_unpacklo_epi32(ma, mb));
+            _mm_store_si128((__m128i *)mn[pr][2], _mm_unpackhi_epi32(ma, mb));
+        }
         for (int t = 0; t < tiles; t++) {
             const kx_block *x = kx + (long)t * blocks + b;
-            __m256i S[KX_NR];
-            for (int r = 0; r < KX_NR; r++) S[r] = _mm256_setzero_si256();
-            const int groups = q4 ? 8 : 16, per = q4 ? 8 : 4; /* dwords of a scale's group */
-            for (int g = 0; g < groups; g++) {
-                /* Two accumulators a row (even and odd v): KX_NR chains of dpbusd alone wait on its latency.
-                 * Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub). */
-                const __m256i start = q4 ? _mm256_setzero_si256() : _mm256_load_si256((const __m256i *)x->sums32[g]);
-                __m256i dot[KX_NR], odd[KX_NR];
-                for (int r = 0; r < KX_NR; r++) dot[r] = start, odd[r] = _mm256_setzero_si256();
-                for (int v = 0; v < per; v++) {
-                    __m256i xv = _mm256_load_si256((const __m256i *)x->q[per * g + v]);
-                    /* in a register: one load for the KX_NR dpbusd, not one each (the broadcasts load enough) */
-                    __asm__("" : "+v"(xv));
-                    for (int r = 0; r < KX_NR; r++) {
-                        __m256i *into = v & 1 ? &odd[r] : &dot[r];
-                        *into = _mm256_dpbusd_epi32(*into, _mm256_set1_epi32(w_four(wb[r] + 4 * (per * g + v))), xv);
+            __m512i S[PAIRS];
+            for (int pr = 0; pr < PAIRS; pr++) S[pr] = _mm512_setzero_si512();
+            const int per = q4 ? 8 : 4; /* dwords of a scale's group: groups run 8 dwords (an eight) at a time, so
+                                         * that a broadcast's place in the eight (kx_pair_at) is a constant */
+            for (int e = 0; e < 8; e++)
+                for (int h = 0; h < 8 / per; h++) {
+                    const int g = e * 8 / per + h;
+                    /* Two accumulators a pair (even and odd v): PAIRS chains of dpbusd alone wait on its latency.
+                     * Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub). */
+                    const __m512i start = q4 ? _mm512_setzero_si512() : _mm512_load_si512(x->sums32[g]);
+                    __m512i dot[PAIRS], odd[PAIRS];
+                    for (int pr = 0; pr < PAIRS; pr++) dot[pr] = start, odd[pr] = _mm512_setzero_si512();
+                    for (int v = 0; v < per; v++) {
+                        __m512i xv = _mm512_load_si512(x->q[8 * e + per * h + v]);
+                        /* in a register: one load for the pairs' dpbusd, not one each (the broadcasts load enough) */
+                        __asm__("" : "+v"(xv));
+                        for (int pr = 0; pr < PAIRS; pr++) {
+                            __m512i *into = v & 1 ? &odd[pr] : &dot[pr];
+                            const int32_t *four = wb[pr] + 16 * e + 2 * kx_pair_at(per * h + v);
+                            *into = _mm512_dpbusd_epi32(*into, _mm512_set1_epi64(kx_eight(four)), xv);
+                        }
                     }
+                    for (int pr = 0; pr < PAIRS; pr++)
+                        S[pr] = _mm512_add_epi32(S[pr], _mm512_mullo_epi32(_mm512_add_epi32(dot[pr], odd[pr]),
+                                                                           _mm512_set1_epi64(kx_eight(sc[pr][g]))));
                 }
-                for (int r = 0; r < KX_NR; r++) dot[r] = _mm256_add_epi32(dot[r], odd[r]);
-                for (int r = 0; r < KX_NR; r++) S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(dot[r], _mm256_set1_epi32(sc[r][g])));
-            }
-            const __m256 dx = _mm256_load_ps(x->d);
-            for (int r = 0; r < KX_NR; r++) {
-                float *at = acc + ((long)t * KX_NR + r) * KX_LANES;
-                __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[r]), _mm256_mul_ps(_mm256_set1_ps(d[r]), dx), _mm256_loadu_ps(at));
+            const __m512 dx = _mm512_load_ps(x->d);
+            for (int pr = 0; pr < PAIRS; pr++) {
+                float *at = acc + ((long)t * PAIRS + pr) * 2 * KX_LANES;
+                const __m512 dd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(d[pr]))); /* [dA, dB] repeated */
+                __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[pr]), _mm512_mul_ps(dd, dx), _mm512_loadu_ps(at));
                 if (q4) {
-                    __m256i ms = _mm256_setzero_si256();
+                    __m512i ms = _mm512_setzero_si512();
                     for (int k = 0; k < 4; k++)
-                        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(_mm256_set1_epi32(mn[r][k]), _mm256_load_si256((const __m256i *)x->halves[k])));
-                    o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_set1_ps(nd[r]), dx), o);
+                        ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi64(kx_eight(mn[pr][k])),
+                                                                    _mm512_load_si512(x->halves[k])));
+                    const __m512 ndd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(nd[pr])));
+                    o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(ndd, dx), o);
                 }
-                _mm256_storeu_ps(at, o);
+                _mm512_storeu_ps(at, o);
             }
         }
     }
     for (int m = 0; m < M; m++) {
         float out[KX_NR];
-        for (int r = 0; r < KX_NR; r++) out[r] = acc[((long)(m / KX_LANES) * KX_NR + r) * KX_LANES + m % KX_LANES];
+        for (int r = 0; r < KX_NR; r++)
+            out[r] = acc[((long)(m / KX_LANES) * PAIRS + r / 2) * 2 * KX_LANES + 2 * (m % KX_LANES) + r % 2];
         store_outputs(out, KX_NR, bias, y, (long)m * y_stride, n0, f32);
     }
 }
