@@ -1027,7 +1027,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
  * call. The sub-blocks' scales multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same
  * order: the same outputs. */
 #define KX_LANES 8  /* input rows per pass: two int32 lanes each (one per weight row of a pair) */
-#define KX_NR 4     /* weight rows unpacked together (two pairs: their broadcasts share each load of the inputs) */
+#define KX_NR 8     /* weight rows unpacked together (four pairs: their broadcasts share each load of the inputs) */
 #define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
 #define KX_MAX_M 32
 
@@ -1203,7 +1203,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const long row_bytes = (long)blocks * kq_block_bytes(format);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    const int lanes = M >= KX_MIN_M && M <= KX_MAX_M, tiles = (M + KX_LANES - 1) / KX_LANES;
+    const int lanes = M >= KX_MIN_M && M <= KX_MAX_M && N % KX_NR == 0, tiles = (M + KX_LANES - 1) / KX_LANES;
     const size_t kx_bytes = lanes ? sizeof(kx_block) * (size_t)tiles * blocks + 64 : 0;
 #else
     const int lanes = 0;
