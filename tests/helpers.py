@@ -223,6 +223,18 @@ def teacher_forced_error(served, sequences, want, prompts=PROMPTS):
     return (got - want).abs().amax(dim=1) / spread, float((got.argmax(dim=1) == want.argmax(dim=1)).float().mean())
 
 
+def whole_and_row_by_row(served):
+    """The last logits of a 300-token prompt run in one step (decoder.c attends its consecutive rows together,
+    in parts past 256, across a sliding window's start) and of the same prompt fed one row a step."""
+    from tuichat.engine.runner import StepChunk
+
+    prompt = [(7 * i + 3) % 300 + 5 for i in range(300)]
+    whole = served.runner.execute([StepChunk(prompt, 0, list(range(19)), True)])
+    for i, token in enumerate(prompt):
+        alone = served.runner.execute([StepChunk([token], i, list(range(20, 39)), i == len(prompt) - 1)])
+    return whole, alone
+
+
 def replies_independent_of_batching(make_engine) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy replies, token for token, whether a prompt runs alone in chunks of 64, in chunks of a 10-token
     budget sharing steps with other prompts' decodes, or from the prefix cache. Returns (the prompts, their

@@ -23,6 +23,7 @@ from tests.helpers import (
     greedy,
     replies_independent_of_batching,
     teacher_forced_error,
+    whole_and_row_by_row,
 )
 from tests.tiny_gguf import (
     FORMATS,
@@ -501,3 +502,11 @@ def test_k_quants_are_served_in_blocks_as_close_to_float32_as_the_other_formats(
 
 def test_k_quant_replies_do_not_depend_on_batching_chunking_or_caching(kernels, tiny_k):
     replies_independent_of_batching(lambda **config: engine(tiny_k, **config))
+
+
+def test_k_quant_rows_attended_together_are_bitwise_rows_attended_alone(kernels, tiny_k):
+    """fp32 over the f16 cache, heads of 64: rows attended together against one row a step, the same bits."""
+    served = engine(tiny_k, prefix_cache=False)
+    whole, alone = whole_and_row_by_row(served)
+    served.close()
+    assert torch.equal(whole, alone)

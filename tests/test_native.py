@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.helpers import echoing_prompts, finished, step_until, stepping
+from tests.helpers import echoing_prompts, finished, step_until, stepping, whole_and_row_by_row
 from tuichat.backends.protocol import SamplingParams
 from tuichat.engine.cpu import native
 from tuichat.engine.engine import Engine, EngineConfig
@@ -39,7 +39,7 @@ def make(arch: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family = arch.split("-")[0]
-    overrides = {**SHAPE, **HEADS.get(arch, {})}
+    overrides = {**SHAPE, **HEADS.get(arch, ROW_BLOCKS.get(arch, {}))}
     if family == "qwen2" and "num_attention_heads" in HEADS.get(arch, {}):
         overrides["hidden_size"] = 32 * overrides["num_attention_heads"]  # Qwen2 derives head_dim from it
     config = AutoConfig.for_model(family, **overrides)
@@ -145,6 +145,22 @@ def test_replies_do_not_depend_on_batching_chunking_or_caching(kernels, arch):
     tight = Engine(model, config=EngineConfig(num_blocks=6, speculate="off"))
     assert greedy(tight, prompts) == expected and tight.scheduler.num_preemptions > 0
     tight.close()
+
+
+# Head shapes that decoder.c compiles (attend()'s list) and so attends several rows of a sequence at once: each
+# widened key and value serves all their heads (ROWS_AT_ONCE). head_dim 32 takes the one-row fallback.
+ROW_BLOCKS = {"mistral-d64-w40": dict(head_dim=64, sliding_window=40)}
+
+
+@pytest.mark.parametrize("arch", ["llama-d128-g1", "mistral-d128-g4", "mistral-d64-w40"])
+def test_rows_attended_together_are_bitwise_rows_attended_alone(kernels, arch):
+    """Rows attended together (ROWS_AT_ONCE) against one row a step, the same bits: parts past 256, blocks that
+    straddle 256 and a window's start included."""
+    model, _ = make(arch)
+    engine = Engine(model, config=EngineConfig(num_blocks=64, prefix_cache=False, max_batched_tokens=512))
+    whole, alone = whole_and_row_by_row(engine)
+    engine.close()
+    assert torch.equal(whole, alone)
 
 
 def test_steps_beyond_512_rows_take_transformers_path(kernels, monkeypatch):

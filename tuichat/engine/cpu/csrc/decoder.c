@@ -148,41 +148,69 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
  * split, not one by thread or batch: a row's result depends on its positions alone. A multiple of 32. */
 #define SPLIT 256
 
-/* One row and one KV head: softmax(q k^T * scale) v for the `group` query heads that share the head, over the
- * row's positions lo..n (lo a multiple of 16) of which those before `first` are masked (a sliding window's
- * start; at most lo elsewhere), rounded once to bf16 (with f32: q and the result fp32, the
- * cache f16, see above). Where those are all the row's positions (lo 0 and n <= SPLIT), that is the result;
- * else `partial` takes each head's max score, sum of numerators and unscaled weighted sum (dim + 2 floats a
- * head), for merge_partials. With AMX the scores come from tiles: 16 keys of one cache
- * block are one A tile read in place (they sit at a fixed stride), the group's queries, in pairs, the B
- * tile; two blocks go at once, so one block's multiply hides the other's latency (needs attention_tiles()).
- * Without AMX, one vector dot product per key and head. Softmax and the weighted sum of values run in fp32.
- * Every row, decode or prefill, alone or in a batch, takes this same path: that is what keeps a reply
- * independent of batching and chunking. work: 2 * group * SPLIT floats. Always inlined into
- * attend(), which fixes group and dim so that the accumulators live in registers; each of those 16 shapes
- * costs compile time (~6 s for the first build), which is paid once per machine. */
+/* Consecutive rows of one sequence (a prefill chunk, speculation's verify rows) attend together, up to
+ * ROWS_AT_ONCE(group) of them, so that each key and value is widened from the cache once for all their query
+ * heads (the widening cost half as much as the multiply-adds it fed). Rows and the group's heads together stay
+ * at most 12, so that the weighted sums' accumulators fit in registers. */
+#define ROWS_AT_ONCE(group) ((group) <= 3 ? 4 : (group) <= 6 ? 2 : 1)
+
+/* One row's share of an attention task: its query heads and result, and its positions lo..n (lo a multiple of
+ * 16) of which those before `first` are masked (a sliding window's start; at most lo elsewhere). */
+typedef struct {
+    const void *q;
+    void *out;
+    float *partial;
+    int lo, first, n;
+} row_job;
+
+/* 4 x KEYS_AT_ONCE accumulators and the keys in registers: 32 of them with AVX-512, 16 with AVX2. */
+#define KEYS_AT_ONCE (LANES == 16 ? 4 : 2)
+
+/* The key a block's positions past a task's last read: 0 in f16 and bf16 alike. */
+static const uint16_t zero_key[256];
+
+/* Up to R rows and one KV head: for each row, softmax(q k^T * scale) v for the `group` query heads that share
+ * the head, over the row's positions, rounded once to bf16 (with f32: q and the result fp32, the cache f16,
+ * see above). Where those are all the row's positions (lo 0 and n <= SPLIT), that is the result; else
+ * `partial` takes each head's max score, sum of numerators and unscaled weighted sum (dim + 2 floats a head),
+ * for merge_partials. With AMX the scores come from tiles: 16 keys of one cache block are one A tile read in
+ * place (they sit at a fixed stride), the group's queries, in pairs, the B tile; two blocks go at once, so one
+ * block's multiply hides the other's latency (needs attention_tiles()). Without AMX, one vector dot product per
+ * key and head, each key widened once for all the rows' heads. Softmax and the weighted sum of values run in
+ * fp32. Each row's arithmetic is the same, in the same order, whichever rows share its task: that is what
+ * keeps a reply independent of batching and chunking. work: 2 * group * SPLIT floats a row. Always inlined
+ * into attend(), which fixes group, dim and R so that the accumulators live in registers; each of those
+ * shapes costs compile time, paid once per machine. */
 static inline __attribute__((always_inline)) void attend_shape(
-        const void *q_in, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
-        const int32_t *table, int block_size, int lo, int first, int n, int kv_heads, int kv_head, const int group,
-        const int dim, float scale, float *work, const int f32) {
+        const row_job *jobs, int R, const int RMAX, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+        int block_size, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
+        const int f32) {
     const int chunks = dim / LANES;
-    int padded = (n - lo + 31) / 32 * 32;
+    int lo = jobs[0].lo, n = jobs[0].n, padded[4];
+    float *scores[4];
+    for (int r = 0; r < RMAX && r < R; r++) {
+        lo = jobs[r].lo < lo ? jobs[r].lo : lo;
+        n = jobs[r].n > n ? jobs[r].n : n;
+        padded[r] = (jobs[r].n - jobs[r].lo + 31) / 32 * 32;
+        scores[r] = work + (long)r * group * SPLIT;
+    }
     long stride = (long)kv_heads * dim;  /* elements from one position to the next within a block */
     const uint16_t *k_head = k_cache + (long)kv_head * dim, *v_head = v_cache + (long)kv_head * dim;
-    const uint16_t *q = q_in;
-    const float *q_f32 = q_in;
 #define LOAD_KV(p) (f32 ? load_f16(p) : load_bf16(p))
 #ifdef __AMX_TILE__
     if (!f32) {  /* AMX multiplies bf16 only */
+    for (int r = 0; r < RMAX && r < R; r++) {
+    const uint16_t *q = jobs[r].q;
+    const int row_lo = jobs[r].lo, row_n = jobs[r].n;
     uint32_t pairs[4][16][8];  /* per 32 dims: [pair][head] = (q[2i], q[2i+1]); dim <= 128, group <= 8 */
     for (int c = 0; c < dim / 32; c++)
         for (int i = 0; i < 16; i++)
             for (int h = 0; h < group; h++) memcpy(&pairs[c][i][h], q + (long)h * dim + 32 * c + 2 * i, 4);
-    float *by_key = work + (long)group * padded;  /* [position][head], as the tiles store them */
-    for (int j0 = lo; j0 < n; j0 += 32) {
-        prefetch_ahead(k_head, v_head, table, block_size, lo, n, stride, dim, j0);
+    float *by_key = work + (long)RMAX * group * SPLIT;  /* [position][head], as the tiles store them */
+    for (int j0 = row_lo; j0 < row_n; j0 += 32) {
+        prefetch_ahead(k_head, v_head, table, block_size, row_lo, row_n, stride, dim, j0);
         const uint16_t *keys0 = k_head + slot_at(table, block_size, j0) * stride;
-        const uint16_t *keys1 = j0 + 16 < n ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
+        const uint16_t *keys1 = j0 + 16 < row_n ? k_head + slot_at(table, block_size, j0 + 16) * stride : keys0;
         _tile_zero(0);
         _tile_zero(3);
         for (int c = 0; c < dim / 32; c++) {
@@ -192,84 +220,116 @@ static inline __attribute__((always_inline)) void attend_shape(
             _tile_dpbf16ps(0, 1, 2);
             _tile_dpbf16ps(3, 4, 2);
         }
-        _tile_stored(0, by_key + (long)(j0 - lo) * group, group * 4);
-        _tile_stored(3, by_key + (long)(j0 - lo + 16) * group, group * 4);
+        _tile_stored(0, by_key + (long)(j0 - row_lo) * group, group * 4);
+        _tile_stored(3, by_key + (long)(j0 - row_lo + 16) * group, group * 4);
     }
     const __m512i by_head = column_offsets(group);
     for (int h = 0; h < group; h++)
-        for (int j0 = 0; j0 < n - lo; j0 += 16)
-            _mm512_storeu_ps(work + (long)h * padded + j0,
+        for (int j0 = 0; j0 < row_n - row_lo; j0 += 16)
+            _mm512_storeu_ps(scores[r] + (long)h * padded[r] + j0,
                              _mm512_mul_ps(_mm512_i32gather_ps(by_head, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
+    }
     } else
 #endif
     {
-    vf qv[8][256 / LANES];
-    for (int h = 0; h < group; h++)
+    /* Dot products in tiles of 4 query heads x KEYS_AT_ONCE keys, the accumulators in registers: each widened
+     * key serves 4 heads, each query chunk the tile's keys. Heads past the task's (a tile's remainder, rows it
+     * lacks) have a query of 0. */
+    const int all_heads = RMAX * group, tile = all_heads < 4 ? all_heads : 4, tiled = (all_heads + tile - 1) / tile * tile;
+    vf qv[12][256 / LANES];
+    for (int i = 0; i < tiled; i++)
         for (int c = 0; c < chunks; c++)
-            qv[h][c] = f32 ? load_f32(q_f32 + (long)h * dim + LANES * c) : load_bf16(q + (long)h * dim + LANES * c);
+            qv[i][c] = i >= R * group ? splat(0.0f)
+                       : f32 ? load_f32((const float *)jobs[i / group].q + (long)(i % group) * dim + LANES * c)
+                             : load_bf16((const uint16_t *)jobs[i / group].q + (long)(i % group) * dim + LANES * c);
     for (int j0 = lo; j0 < n; j0 += 16) {  /* no software prefetch: measured slower here than the hardware's */
-        const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
+        const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride, *key_at[16];
         const int count = n - j0 < 16 ? n - j0 : 16;  /* past n: a score of 0 that the softmax then masks */
-        /* Each key widened once for all the group's heads; a block's dot products then have their lane sums
-         * taken LANES at once (sum_each: ~3 operations a sum where a horizontal sum per position took ~10). */
-        vf dots[8][16];
-        for (int j = 0; j < 16; j++) {
-            vf key[256 / LANES];
-            for (int c = 0; c < chunks; c++) key[c] = j < count ? LOAD_KV(keys + (long)j * stride + LANES * c) : splat(0.0f);
-            for (int h = 0; h < group; h++) {
-                vf dot = splat(0.0f);
-                for (int c = 0; c < chunks; c++) dot += qv[h][c] * key[c];
-                dots[h][j] = dot;
+        for (int j = 0; j < 16; j++) key_at[j] = j < count ? keys + (long)j * stride : zero_key;
+        int active[4];
+        for (int r = 0; r < RMAX && r < R; r++) active[r] = j0 >= jobs[r].lo && j0 < jobs[r].n;
+        /* A block's dot products have their lane sums taken LANES at once (sum_each: ~3 operations a sum where
+         * a horizontal sum per position took ~10). A row's keys past its n are scored, then masked. */
+        vf dots[12][16];
+        for (int k0 = 0; k0 < 16; k0 += KEYS_AT_ONCE)
+            for (int m0 = 0; m0 < tiled; m0 += tile) {
+                vf acc[4][KEYS_AT_ONCE];
+                for (int m = 0; m < tile; m++)
+                    for (int k = 0; k < KEYS_AT_ONCE; k++) acc[m][k] = splat(0.0f);
+                for (int c = 0; c < chunks; c++) {
+                    vf key[KEYS_AT_ONCE];
+                    for (int k = 0; k < KEYS_AT_ONCE; k++) key[k] = LOAD_KV(key_at[k0 + k] + LANES * c);
+                    for (int m = 0; m < tile; m++)
+                        for (int k = 0; k < KEYS_AT_ONCE; k++) acc[m][k] += qv[m0 + m][c] * key[k];
+                }
+                for (int m = 0; m < tile; m++)
+                    for (int k = 0; k < KEYS_AT_ONCE; k++) dots[m0 + m][k0 + k] = acc[m][k];
             }
+        for (int r = 0; r < RMAX && r < R; r++) {
+            if (!active[r]) continue;
+            for (int h = 0; h < group; h++)
+                for (int first = 0; first < 16; first += LANES)
+                    store_f32(scores[r] + (long)h * padded[r] + (j0 - jobs[r].lo) + first, sum_each(dots[r * group + h] + first) * scale);
         }
+    }
+    }
+    float sums[4][8], inverse[4][8];
+    for (int r = 0; r < RMAX && r < R; r++)
+        for (int h = 0; h < group; h++) {
+            float *row = scores[r] + (long)h * padded[r];
+            for (int j = jobs[r].lo; j < jobs[r].first && j < jobs[r].n; j++) row[j - jobs[r].lo] = -INFINITY;
+            float top;
+            sums[r][h] = softmax_numerators(row, jobs[r].n - jobs[r].lo, &top);
+            inverse[r][h] = 1.0f / sums[r][h];
+            if (jobs[r].partial) jobs[r].partial[(long)h * (dim + 2)] = top, jobs[r].partial[(long)h * (dim + 2) + 1] = sums[r][h];
+        }
+    /* The weighted sum in passes over a few chunks of the dims, so that a pass's R x group x few accumulators
+     * stay in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds
+     * its row's positions in order. */
+    /* The weights position by position, each position's R x group side by side, so that one pointer reaches
+     * them all; a row's positions outside its own range are never read. */
+    const int heads_at_once = RMAX * group;
+    float *weights = work + (long)heads_at_once * SPLIT;
+    for (int r = 0; r < RMAX && r < R; r++)
         for (int h = 0; h < group; h++)
-            for (int first = 0; first < 16; first += LANES)
-                store_f32(work + (long)h * padded + (j0 - lo) + first, sum_each(dots[h] + first) * scale);
+            for (int j = jobs[r].lo; j < jobs[r].n; j++)
+                weights[(long)(j - lo) * heads_at_once + r * group + h] = scores[r][(long)h * padded[r] + (j - jobs[r].lo)];
+    int all_from = lo, all_to = R == RMAX ? n : lo;  /* where every row of the task takes part */
+    for (int r = 0; r < RMAX && r < R; r++) {
+        all_from = jobs[r].lo > all_from ? jobs[r].lo : all_from;
+        all_to = jobs[r].n < all_to ? jobs[r].n : all_to;
     }
-    }
-    for (int h = 0; h < group; h++)
-        for (int j = lo; j < first && j < n; j++) work[(long)h * padded + (j - lo)] = -INFINITY;
-    float sums[8], tops[8];
-    for (int h = 0; h < group; h++) sums[h] = softmax_numerators(work + (long)h * padded, n - lo, &tops[h]);
-    /* The weighted sum in passes over a few chunks of the dims, so that a pass's group x few accumulators stay
-     * in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds the
-     * positions in order. */
-    const int few = 8 / group > 4 ? 4 : 8 / group < 1 ? 1 : 8 / group;
-    vf acc[8][256 / LANES];
+    const int few = 16 / heads_at_once > 4 ? 4 : 16 / heads_at_once < 1 ? 1 : 16 / heads_at_once;
     for (int c0 = 0; c0 < chunks; c0 += few) {
-        vf part[8][4];
-        for (int h = 0; h < group; h++)
-            for (int c = 0; c < few; c++) part[h][c] = splat(0.0f);
+        vf part[4][8][4];
+        for (int r = 0; r < RMAX && r < R; r++)
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < few; c++) part[r][h][c] = splat(0.0f);
         for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
             const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride + LANES * c0;
             if (c0 == 0 && j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
-            for (int j = j0; j < n && j < j0 + 16; j++) {
+            const int end = n < j0 + 16 ? n : j0 + 16, every = j0 >= all_from && end <= all_to;
+            for (int j = j0; j < end; j++) {
                 vf vv[4];
                 for (int c = 0; c < few && c0 + c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
-                for (int h = 0; h < group; h++) {
-                    vf weight = splat(work[(long)h * padded + (j - lo)]);
-                    for (int c = 0; c < few && c0 + c < chunks; c++) part[h][c] += weight * vv[c];
+                const float *w = weights + (long)(j - lo) * heads_at_once;
+                for (int r = 0; r < RMAX; r++) {
+                    if (!every && (r >= R || j < jobs[r].lo || j >= jobs[r].n)) continue;
+                    for (int h = 0; h < group; h++) {
+                        vf weight = splat(w[r * group + h]);
+                        for (int c = 0; c < few && c0 + c < chunks; c++) part[r][h][c] += weight * vv[c];
+                    }
                 }
             }
         }
-        for (int h = 0; h < group; h++)
-            for (int c = 0; c < few && c0 + c < chunks; c++) acc[h][c0 + c] = part[h][c];
-    }
-    if (partial) {
-        for (int h = 0; h < group; h++) {
-            float *mine = partial + (long)h * (dim + 2);
-            mine[0] = tops[h];
-            mine[1] = sums[h];
-            for (int c = 0; c < chunks; c++) store_f32(mine + 2 + LANES * c, acc[h][c]);
-        }
-        return;
-    }
-    for (int h = 0; h < group; h++) {
-        float inverse = 1.0f / sums[h];
-        for (int c = 0; c < chunks; c++) {
-            if (f32) store_f32((float *)out + (long)h * dim + LANES * c, acc[h][c] * inverse);
-            else store_bf16((uint16_t *)out + (long)h * dim + LANES * c, acc[h][c] * inverse);
-        }
+        for (int r = 0; r < RMAX && r < R; r++)
+            for (int h = 0; h < group; h++)
+                for (int c = 0; c < few && c0 + c < chunks; c++) {
+                    long at = (long)h * dim + LANES * (c0 + c);
+                    if (jobs[r].partial) store_f32(jobs[r].partial + (long)h * (dim + 2) + 2 + LANES * (c0 + c), part[r][h][c]);
+                    else if (f32) store_f32((float *)jobs[r].out + at, part[r][h][c] * inverse[r][h]);
+                    else store_bf16((uint16_t *)jobs[r].out + at, part[r][h][c] * inverse[r][h]);
+                }
     }
 #undef LOAD_KV
 }
@@ -289,18 +349,23 @@ static void merge_partials(const float *partial, long step, int parts, int dim, 
     }
 }
 
-static void attend(const void *q, void *out, float *partial, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int32_t *table, int block_size, int lo, int first, int n, int kv_heads, int kv_head, int group,
-                   int dim, float scale, float *work, int f32) {
-#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D: attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, G, D, scale, work, F); return;
+static void attend(const row_job *jobs, int rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                   const int32_t *table, int block_size, int kv_heads, int kv_head, int group, int dim, float scale,
+                   float *work, int f32) {
+#define SHAPE(G, D, F) case F * 100000 + G * 1000 + D:                                                       \
+    if (rows == 1) attend_shape(jobs, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F); \
+    else attend_shape(jobs, rows, ROWS_AT_ONCE(G), k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F); \
+    return;
 #define SHAPES(F) SHAPE(1, 64, F) SHAPE(2, 64, F) SHAPE(3, 64, F) SHAPE(4, 64, F) SHAPE(5, 64, F) SHAPE(6, 64, F) \
     SHAPE(7, 64, F) SHAPE(8, 64, F) SHAPE(1, 128, F) SHAPE(2, 128, F) SHAPE(3, 128, F) SHAPE(4, 128, F) SHAPE(5, 128, F) \
     SHAPE(6, 128, F) SHAPE(7, 128, F) SHAPE(8, 128, F)
     switch (!!f32 * 100000 + group * 1000 + dim) {
         SHAPES(0) SHAPES(1) SHAPE(1, 256, 1) SHAPE(2, 256, 1) SHAPE(4, 256, 1)  /* Gemma 3's heads */
-        default:
-            if (f32) attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, group, dim, scale, work, 1);
-            else attend_shape(q, out, partial, k_cache, v_cache, table, block_size, lo, first, n, kv_heads, kv_head, group, dim, scale, work, 0);
+        default:  /* one row at a time: R is what sizes the arrays */
+            for (int r = 0; r < rows; r++) {
+                if (f32) attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 1);
+                else attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 0);
+            }
     }
 #undef SHAPES
 #undef SHAPE
@@ -368,35 +433,46 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         if (tables[i] < 0 || tables[i] >= num_blocks) return -3;
     for (int t = 0; t < rows; t++)
         if (pos[t] < 0 || table_off[t] < 0 || (long)table_off[t] + pos[t] / block_size >= tables_len) return -3;
-    /* Attention tasks: a row of one part (up to SPLIT positions), a task per KV head; a longer row, a task per
-     * part, all its KV heads (one thread then reads the part's cache blocks whole, where their heads lie side
-     * by side), keeping each part's partial results (dim + 2 floats a query head) for merging. How the work
-     * is cut into tasks never changes what is computed. */
-    long tasks = 0, partial_floats = 0;
+    /* Attention tasks over blocks of rows: consecutive rows of one sequence at consecutive positions, up to
+     * ROWS_AT_ONCE(group) (each other row a block of its own). A block within one part (up to SPLIT
+     * positions), a task per KV head; a longer one, a task per part, all its KV heads (one thread then reads
+     * the part's cache blocks whole, where their heads lie side by side), each of its rows that reach past
+     * one part keeping each part's partial results (dim + 2 floats a query head) for merging. How the work is
+     * cut into tasks never changes what is computed for a row. */
+    const int at_once = ROWS_AT_ONCE(group);
+    long tasks = 0, partial_floats = 0;  /* tasks: a bound, each row counted as if a block of its own */
     for (int t = 0; t < rows; t++) {
         long parts = pos[t] / SPLIT + 1;
-        tasks += parts > 1 ? parts : kv_heads;
+        tasks += parts > kv_heads ? parts : kv_heads;
         if (parts > 1) partial_floats += parts * heads * (dim + 2);
     }
-    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = 2 * group * SPLIT;
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = (size_t)2 * group * SPLIT * at_once;
     const size_t counts[] = {(size_t)rows * width, (size_t)rows * width, (size_t)rows * qkv_width,
                              (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
-    size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(int32_t) * (3 * tasks + rows);
+    size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(int32_t) * (4 * tasks + rows);
     for (int i = 0; i < 6; i++) need += (counts[i] * elem + 63) / 64 * 64;
     char *buffers[6], *next = scratch_reserve(s, SCRATCH_DECODER, need);
     if (!next) return -2;
     for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
     void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *gated = buffers[5];
     float *work = (float *)next, *partials = work + (size_t)threads * per_thread;
-    int32_t *task_row = (int32_t *)(partials + partial_floats), *task_part = task_row + tasks;
-    int32_t *task_head = task_part + tasks, *partial_at = task_head + tasks;  /* task_head -1: all of them */
-    for (int t = 0, task = 0, at = 0; t < rows; t++) {
-        int parts = pos[t] / SPLIT + 1;
-        partial_at[t] = parts > 1 ? at : -1;
-        at += parts > 1 ? parts * heads * (dim + 2) : 0;
-        for (int i = 0; i < (parts > 1 ? parts : kv_heads); i++, task++)
-            task_row[task] = t, task_part[task] = parts > 1 ? i : 0, task_head[task] = parts > 1 ? -1 : i;
+    int32_t *task_row = (int32_t *)(partials + partial_floats), *task_rows = task_row + tasks;
+    int32_t *task_part = task_rows + tasks, *task_head = task_part + tasks, *partial_at = task_head + tasks;  /* task_head -1: all */
+    long used = 0;
+    for (int t = 0, at = 0; t < rows;) {
+        int size = 1;
+        while (t + size < rows && size < at_once && table_off[t + size] == table_off[t] && pos[t + size] == pos[t] + size) size++;
+        for (int i = 0; i < size; i++) {
+            int parts = pos[t + i] / SPLIT + 1;
+            partial_at[t + i] = parts > 1 ? at : -1;
+            at += parts > 1 ? parts * heads * (dim + 2) : 0;
+        }
+        int parts = pos[t + size - 1] / SPLIT + 1;
+        for (int i = 0; i < (parts > 1 ? parts : kv_heads); i++, used++)
+            task_row[used] = t, task_rows[used] = size, task_part[used] = parts > 1 ? i : 0, task_head[used] = parts > 1 ? -1 : i;
+        t += size;
     }
+    tasks = used;
     int status;
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *p = layers + l;
@@ -445,23 +521,31 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             float *mine = work + (size_t)omp_get_thread_num() * per_thread;
             #pragma omp for schedule(dynamic)
             for (long task = 0; task < tasks; task++) {
-                const int t = task_row[task], c = task_part[task], end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
-                /* A window's first position; a part wholly before it adds nothing (an empty partial). */
-                const int first = p->window && pos[t] >= p->window ? pos[t] + 1 - p->window : 0;
-                const int lo = c * SPLIT > (first & ~15) ? c * SPLIT : first & ~15;
+                const int c = task_part[task];
                 for (int g = task_head[task] < 0 ? 0 : task_head[task]; g < (task_head[task] < 0 ? kv_heads : task_head[task] + 1); g++) {
-                    float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
-                    if (end <= first) {  /* only where parts > 1: the part holding pos[t] is never empty */
-                        for (int h = 0; h < group; h++) {
-                            float *empty = partial + (long)h * (dim + 2);
-                            empty[0] = -INFINITY, empty[1] = 0.0f;
-                            memset(empty + 2, 0, sizeof(float) * dim);
+                    row_job jobs[4];
+                    int count = 0;
+                    for (int t = task_row[task]; t < task_row[task] + task_rows[task]; t++) {
+                        if (pos[t] < c * SPLIT) continue;  /* this part lies past the row */
+                        const int end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
+                        /* A window's first position; a part wholly before it adds nothing (an empty partial). */
+                        const int first = p->window && pos[t] >= p->window ? pos[t] + 1 - p->window : 0;
+                        const int lo = c * SPLIT > (first & ~15) ? c * SPLIT : first & ~15;
+                        float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
+                        if (end <= first) {  /* only where parts > 1: the part holding pos[t] is never empty */
+                            for (int h = 0; h < group; h++) {
+                                float *empty = partial + (long)h * (dim + 2);
+                                empty[0] = -INFINITY, empty[1] = 0.0f;
+                                memset(empty + 2, 0, sizeof(float) * dim);
+                            }
+                            continue;
                         }
-                        continue;
+                        jobs[count++] = (row_job){(const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
+                                                  (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem,
+                                                  partial, lo, first, end};
                     }
-                    attend((const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
-                           (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem, partial, k_cache, v_cache,
-                           tables + table_off[t], block_size, lo, first, end, kv_heads, g, group, dim, scale, mine, f32);
+                    const int32_t *table = tables + table_off[task_row[task]];
+                    if (count) attend(jobs, count, k_cache, v_cache, table, block_size, kv_heads, g, group, dim, scale, mine, f32);
                 }
             }
             #pragma omp for schedule(static)
