@@ -1031,6 +1031,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #define KX_NR 8     /* weight rows unpacked together (four pairs: their broadcasts share each load of the inputs) */
 #define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
 #define KX_MAX_M 64 /* Zen 5: as fast as the GEMM for Q4_K at 40 to 64 rows, 16-24 % faster for Q6_K */
+#define KX_AHEAD 49152 /* bytes: a tile takes longer a super-block than a row tile, ahead of DRAM by more */
 
 /* KX_LANES input rows at one super-block, each twice (lanes 2i, 2i + 1): dword p (inputs 4p..4p+3, natural order)
  * of each, their scales, Q4_K's sub-block sums as int16 pairs (s[2k] | s[2k + 1] << 16), Q6_K's -32 times the sum
@@ -1061,47 +1062,60 @@ static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int
     }
 }
 
-/* One weight row's super-block: its quants in natural order as 8 vectors of 32 (0..15, or Q6_K's 0..63), its
- * scales as int32 (Q4_K's 8, Q6_K's 16) and (Q4_K) minimums' int16 pairs (dword k: m[2k] | m[2k + 1] << 16), d
- * and -dmin. */
-static inline __attribute__((always_inline)) void kx_unpack(const uint8_t *blk, int q4, __m256i wv[8], float *d,
-                                                            float *nd, __m512i *sc, __m128i *mn) {
-    const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+/* Two weight rows' super-blocks (a pair): their quants interleaved dword by dword into wb (dword p of row A at
+ * 2p, of row B at 2p + 1; p in natural order, 0..63), the two rows' bytes side by side in one 512-bit vector
+ * through the ands and shifts and one permute putting them in place; their scales as int32 pairs (Q4_K's 8, Q6_K's
+ * 16), (Q4_K) minimums' int16 pairs (dword k: m[2k] | m[2k + 1] << 16), each row's d and -dmin. */
+static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *a, const uint8_t *b, int q4, int32_t *wb,
+                                                                 int32_t sc[16][2], int32_t mn[4][2], float d[2],
+                                                                 float nd[2]) {
+    const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    const __m512i side_by_side = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+#define KX_BOTH(offset) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + (offset)))), \
+                                           _mm256_loadu_si256((const __m256i *)(b + (offset))), 1)
+    __m512i sa, sb;
     if (q4) {
-        uint16_t h[2];
-        memcpy(h, blk, 4);
-        *d = half_to_float(h[0]);
-        *nd = -half_to_float(h[1]);
-        const __m128i both = q4_k_scales_v(blk + 4);
-        *sc = _mm512_cvtepu8_epi32(both); /* lanes 8-15 hold the minimums: unused */
-        *mn = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
+        uint16_t ha[2], hb[2];
+        memcpy(ha, a, 4);
+        memcpy(hb, b, 4);
+        d[0] = half_to_float(ha[0]), d[1] = half_to_float(hb[0]);
+        nd[0] = -half_to_float(ha[1]), nd[1] = -half_to_float(hb[1]);
+        const __m128i both_a = q4_k_scales_v(a + 4), both_b = q4_k_scales_v(b + 4);
+        sa = _mm512_cvtepu8_epi32(both_a); /* lanes 8-15 hold the minimums: unused */
+        sb = _mm512_cvtepu8_epi32(both_b);
+        const __m128i ma = _mm_cvtepu8_epi16(_mm_srli_si128(both_a, 8)), mb = _mm_cvtepu8_epi16(_mm_srli_si128(both_b, 8));
+        _mm_store_si128((__m128i *)mn[0], _mm_unpacklo_epi32(ma, mb));
+        _mm_store_si128((__m128i *)mn[2], _mm_unpackhi_epi32(ma, mb));
         for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            wv[2 * c] = _mm256_and_si256(v, nib);
-            wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            const __m512i v = KX_BOTH(16 + 32 * c);
+            _mm512_store_si512(wb + 32 * c, _mm512_permutexvar_epi32(side_by_side, _mm512_and_si512(v, nib)));
+            _mm512_store_si512(wb + 32 * c + 16,
+                               _mm512_permutexvar_epi32(side_by_side, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)));
         }
-        return;
-    }
-    uint16_t dh;
-    memcpy(&dh, blk + 208, 2);
-    *d = half_to_float(dh);
-    *nd = 0.0f;
-    *sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
-    *mn = _mm_setzero_si128();
-    for (int h = 0; h < 2; h++) { /* weights 128h + 32t + i: ql's nibble t / 2 of chunk t % 2, qh's pair t */
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        for (int t = 0; t < 4; t++) {
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t % 2)));
-            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (t / 2)), nib);
-            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-            wv[4 * h + t] = _mm256_or_si256(lo, hi);
+    } else {
+        uint16_t ha, hb;
+        memcpy(&ha, a + 208, 2);
+        memcpy(&hb, b + 208, 2);
+        d[0] = half_to_float(ha), d[1] = half_to_float(hb);
+        nd[0] = nd[1] = 0.0f;
+        sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a + 192)));
+        sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+        for (int h = 0; h < 2; h++) { /* weights 128h + 32t + i: ql's nibble t / 2 of chunk t % 2, qh's pair t */
+            const __m512i qh = KX_BOTH(128 + 32 * h);
+            for (int t = 0; t < 4; t++) {
+                const __m512i ql = KX_BOTH(64 * h + 32 * (t % 2));
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * (t / 2)), nib);
+                const __m512i hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), two), 4);
+                _mm512_store_si512(wb + 16 * (4 * h + t), _mm512_permutexvar_epi32(side_by_side, _mm512_or_si512(lo, hi)));
+            }
         }
     }
+#undef KX_BOTH
+    /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_store_si512(sc[0], _mm512_permutex2var_epi32(sa, first, sb));
+    if (!q4) _mm512_store_si512(sc[8], _mm512_permutex2var_epi32(sa, _mm512_add_epi32(first, _mm512_set1_epi32(8)), sb));
 }
-
-/* Where dword p of a pair's interleaved quants sits, in 8-byte pairs: unpacklo/hi of two vectors of 8 dwords
- * give p = 0, 1, 4, 5 then 2, 3, 6, 7 of each 8. */
-static inline int kx_pair_at(int p) { return (p & ~7) | (p & 1) | (p & 2) << 1 | (p & 4) >> 1; }
 
 static inline int64_t kx_eight(const void *p) {
     int64_t eight;
@@ -1116,7 +1130,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
                                                           const uint16_t *bias, void *y, long y_stride, int f32) {
     enum { PAIRS = KX_NR / 2 };
     const int tiles = (M + KX_LANES - 1) / KX_LANES, bytes = q4 ? Q4_K_BYTES : Q6_K_BYTES;
-    _Alignas(64) int32_t wb[PAIRS][128]; /* a pair's quants, dword p of each row side by side (kx_pair_at) */
+    _Alignas(64) int32_t wb[PAIRS][128]; /* a pair's quants, dword p of each row side by side */
     _Alignas(64) int32_t sc[PAIRS][16][2], mn[PAIRS][4][2];
     float d[PAIRS][2], nd[PAIRS][2];
     memset(acc, 0, sizeof(float) * KX_NR * KX_LANES * (size_t)tiles);
@@ -1124,31 +1138,16 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
         /* The tile's KX_NR rows lie one after another, and a thread's tiles too: a pointer that crosses the tile's
          * bytes as b crosses its blocks, KQ_AHEAD on, asks for them as one stream, as the row tiles do. Asking for
          * each row's next super-block into L1 instead left a third of the time waiting on DRAM. */
-        const char *ahead = (const char *)w + (long)n0 * row_bytes + (long)b * KX_NR * bytes + KQ_AHEAD;
+        const char *ahead = (const char *)w + (long)n0 * row_bytes + (long)b * KX_NR * bytes + KX_AHEAD;
         for (int line = 0; line < KX_NR * bytes; line += 64) _mm_prefetch(ahead + line, KQ_HINT);
-        for (int pr = 0; pr < PAIRS; pr++) {
-            __m256i a[8], c[8];
-            __m512i sa, sb;
-            __m128i ma, mb;
-            kx_unpack(w + (long)(n0 + 2 * pr) * row_bytes + (long)b * bytes, q4, a, &d[pr][0], &nd[pr][0], &sa, &ma);
-            kx_unpack(w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, c, &d[pr][1], &nd[pr][1], &sb, &mb);
-            for (int k = 0; k < 8; k++) {
-                _mm256_store_si256((__m256i *)(wb[pr] + 16 * k), _mm256_unpacklo_epi32(a[k], c[k]));
-                _mm256_store_si256((__m256i *)(wb[pr] + 16 * k + 8), _mm256_unpackhi_epi32(a[k], c[k]));
-            }
-            /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
-            const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            _mm512_store_si512(sc[pr][0], _mm512_permutex2var_epi32(sa, first, sb));
-            if (!q4) _mm512_store_si512(sc[pr][8], _mm512_permutex2var_epi32(sa, _mm512_add_epi32(first, _mm512_set1_epi32(8)), sb));
-            _mm_store_si128((__m128i *)mn[pr][0], _mm_unpacklo_epi32(ma, mb));
-            _mm_store_si128((__m128i *)mn[pr][2], _mm_unpackhi_epi32(ma, mb));
-        }
+        for (int pr = 0; pr < PAIRS; pr++)
+            kx_unpack_pair(w + (long)(n0 + 2 * pr) * row_bytes + (long)b * bytes,
+                           w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, wb[pr], sc[pr], mn[pr], d[pr], nd[pr]);
         for (int t = 0; t < tiles; t++) {
             const kx_block *x = kx + (long)t * blocks + b;
             __m512i S[PAIRS];
             for (int pr = 0; pr < PAIRS; pr++) S[pr] = _mm512_setzero_si512();
-            const int per = q4 ? 8 : 4; /* dwords of a scale's group: groups run 8 dwords (an eight) at a time, so
-                                         * that a broadcast's place in the eight (kx_pair_at) is a constant */
+            const int per = q4 ? 8 : 4; /* dwords of a scale's group: groups run 8 dwords (an eight) at a time */
             for (int e = 0; e < 8; e++)
                 for (int h = 0; h < 8 / per; h++) {
                     const int g = e * 8 / per + h;
@@ -1163,7 +1162,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
                         __asm__("" : "+v"(xv));
                         for (int pr = 0; pr < PAIRS; pr++) {
                             __m512i *into = v & 1 ? &odd[pr] : &dot[pr];
-                            const int32_t *four = wb[pr] + 16 * e + 2 * kx_pair_at(per * h + v);
+                            const int32_t *four = wb[pr] + 16 * e + 2 * (per * h + v);
                             *into = _mm512_dpbusd_epi32(*into, _mm512_set1_epi64(kx_eight(four)), xv);
                         }
                     }
