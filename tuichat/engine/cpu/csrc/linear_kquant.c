@@ -1136,7 +1136,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
     memset(acc, 0, sizeof(float) * KX_NR * KX_LANES * (size_t)tiles);
     for (int b = 0; b < blocks; b++) {
         /* The tile's KX_NR rows lie one after another, and a thread's tiles too: a pointer that crosses the tile's
-         * bytes as b crosses its blocks, KQ_AHEAD on, asks for them as one stream, as the row tiles do. Asking for
+         * bytes as b crosses its blocks, KX_AHEAD on, asks for them as one stream, as the row tiles do. Asking for
          * each row's next super-block into L1 instead left a third of the time waiting on DRAM. */
         const char *ahead = (const char *)w + (long)n0 * row_bytes + (long)b * KX_NR * bytes + KX_AHEAD;
         for (int line = 0; line < KX_NR * bytes; line += 64) _mm_prefetch(ahead + line, KQ_HINT);
