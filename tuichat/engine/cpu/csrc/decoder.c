@@ -153,6 +153,8 @@ static inline void prefetch_ahead(const uint16_t *k_head, const uint16_t *v_head
  * heads (the widening cost half as much as the multiply-adds it fed). Rows and the group's heads together stay
  * at most 12, so that the weighted sums' accumulators fit in registers. */
 #define ROWS_AT_ONCE(group) ((group) <= 3 ? 4 : (group) <= 6 ? 2 : 1)
+#define MOST_ROWS 4   /* ROWS_AT_ONCE's largest */
+#define MOST_HEADS 12 /* query heads of a task: rows x group, or a lone row's group of up to 8 */
 
 /* One row's share of an attention task: its query heads and result, and its positions lo..n (lo a multiple of
  * 16) of which those before `first` are masked (a sliding window's start; at most lo elsewhere). */
@@ -186,8 +188,8 @@ static inline __attribute__((always_inline)) void attend_shape(
         int block_size, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
         const int f32) {
     const int chunks = dim / LANES;
-    int lo = jobs[0].lo, n = jobs[0].n, padded[4];
-    float *scores[4];
+    int lo = jobs[0].lo, n = jobs[0].n, padded[MOST_ROWS];
+    float *scores[MOST_ROWS];
     for (int r = 0; r < RMAX && r < R; r++) {
         lo = jobs[r].lo < lo ? jobs[r].lo : lo;
         n = jobs[r].n > n ? jobs[r].n : n;
@@ -236,7 +238,7 @@ static inline __attribute__((always_inline)) void attend_shape(
      * key serves 4 heads, each query chunk the tile's keys. Heads past the task's (a tile's remainder, rows it
      * lacks) have a query of 0. */
     const int all_heads = RMAX * group, tile = all_heads < 4 ? all_heads : 4, tiled = (all_heads + tile - 1) / tile * tile;
-    vf qv[12][256 / LANES];
+    vf qv[MOST_HEADS][256 / LANES];
     for (int i = 0; i < tiled; i++)
         for (int c = 0; c < chunks; c++)
             qv[i][c] = i >= R * group ? splat(0.0f)
@@ -246,11 +248,11 @@ static inline __attribute__((always_inline)) void attend_shape(
         const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride, *key_at[16];
         const int count = n - j0 < 16 ? n - j0 : 16;  /* past n: a score of 0 that the softmax then masks */
         for (int j = 0; j < 16; j++) key_at[j] = j < count ? keys + (long)j * stride : zero_key;
-        int active[4];
+        int active[MOST_ROWS];
         for (int r = 0; r < RMAX && r < R; r++) active[r] = j0 >= jobs[r].lo && j0 < jobs[r].n;
         /* A block's dot products have their lane sums taken LANES at once (sum_each: ~3 operations a sum where
          * a horizontal sum per position took ~10). A row's keys past its n are scored, then masked. */
-        vf dots[12][16];
+        vf dots[MOST_HEADS][16];
         for (int k0 = 0; k0 < 16; k0 += KEYS_AT_ONCE)
             for (int m0 = 0; m0 < tiled; m0 += tile) {
                 vf acc[4][KEYS_AT_ONCE];
@@ -273,19 +275,15 @@ static inline __attribute__((always_inline)) void attend_shape(
         }
     }
     }
-    float sums[4][8], inverse[4][8];
+    float inverse[MOST_ROWS][8];
     for (int r = 0; r < RMAX && r < R; r++)
         for (int h = 0; h < group; h++) {
             float *row = scores[r] + (long)h * padded[r];
             for (int j = jobs[r].lo; j < jobs[r].first && j < jobs[r].n; j++) row[j - jobs[r].lo] = -INFINITY;
-            float top;
-            sums[r][h] = softmax_numerators(row, jobs[r].n - jobs[r].lo, &top);
-            inverse[r][h] = 1.0f / sums[r][h];
-            if (jobs[r].partial) jobs[r].partial[(long)h * (dim + 2)] = top, jobs[r].partial[(long)h * (dim + 2) + 1] = sums[r][h];
+            float top, sum = softmax_numerators(row, jobs[r].n - jobs[r].lo, &top);
+            inverse[r][h] = 1.0f / sum;
+            if (jobs[r].partial) jobs[r].partial[(long)h * (dim + 2)] = top, jobs[r].partial[(long)h * (dim + 2) + 1] = sum;
         }
-    /* The weighted sum in passes over a few chunks of the dims, so that a pass's R x group x few accumulators
-     * stay in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds
-     * its row's positions in order. */
     /* The weights position by position, each position's R x group side by side, so that one pointer reaches
      * them all; a row's positions outside its own range are never read. */
     const int heads_at_once = RMAX * group;
@@ -299,9 +297,12 @@ static inline __attribute__((always_inline)) void attend_shape(
         all_from = jobs[r].lo > all_from ? jobs[r].lo : all_from;
         all_to = jobs[r].n < all_to ? jobs[r].n : all_to;
     }
+    /* The weighted sum in passes over a few chunks of the dims, so that a pass's R x group x few accumulators
+     * stay in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds
+     * its row's positions in order. */
     const int few = 16 / heads_at_once > 4 ? 4 : 16 / heads_at_once < 1 ? 1 : 16 / heads_at_once;
     for (int c0 = 0; c0 < chunks; c0 += few) {
-        vf part[4][8][4];
+        vf part[MOST_ROWS][8][4];
         for (int r = 0; r < RMAX && r < R; r++)
             for (int h = 0; h < group; h++)
                 for (int c = 0; c < few; c++) part[r][h][c] = splat(0.0f);
@@ -523,7 +524,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             for (long task = 0; task < tasks; task++) {
                 const int c = task_part[task];
                 for (int g = task_head[task] < 0 ? 0 : task_head[task]; g < (task_head[task] < 0 ? kv_heads : task_head[task] + 1); g++) {
-                    row_job jobs[4];
+                    row_job jobs[MOST_ROWS];
                     int count = 0;
                     for (int t = task_row[task]; t < task_row[task] + task_rows[task]; t++) {
                         if (pos[t] < c * SPLIT) continue;  /* this part lies past the row */
