@@ -730,12 +730,6 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
     }
 }
 
-static inline int32_t x_four(const int8_t *q) {
-    int32_t four;
-    memcpy(&four, q, 4);
-    return four;
-}
-
 /* acc + dpbusd(w, the 4 int8 inputs at x broadcast), the broadcast folded into the instruction's memory operand
  * ({1to16}): compilers load it into a register first, an extra instruction for each dpbusd. */
 static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
@@ -743,31 +737,37 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
     return acc;
 }
 
-/* Input rows m0..m0+mr-1 against an unpacked super-block: each row's S and Ms, 16 rows' at once, and the two
- * fmas of every output (out: 16 floats per input row). Two accumulators a row (even and odd v): KG_MR chains of
- * dpbusd alone wait on its latency (one chain a row measured no faster). Q6_K's -32 comes out of S once per
- * super-block (32 * the scales times the inputs' sums of 16, in int16 pairs), not once per 16 weights. */
-static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
+/* acc + dpwssd(w, the int16 pair at x broadcast): madd_epi16 and its add in one instruction (the same int32 sums) */
+static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *x) {
+    __asm__("vpdpwssd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* Input rows a[0..mr-1] (consecutive in the GEMM's block-major layout: one base register, constant offsets, where
+ * a pointer a row had cost ~25 instructions a pass to set up) against an unpacked super-block: each row's S and Ms,
+ * 16 rows' at once, and the two fmas of every output (out: 16 floats per input row). One dpbusd chain a row: at 8
+ * rows that is 8 chains, enough to keep both pipes busy, and a second chain a row cost an add and a zeroing per
+ * sub-block (docs/design/kernels.md). Q6_K's -32 comes out of S once per super-block (32 * the scales times the
+ * inputs' sums of 16, in int16 pairs), not once per 16 weights. */
+static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *a,
                                                           const int mr, float *out) {
     __m512i S[KG_MR];
     for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
     for (int g = 0; g < (q4 ? 8 : 16); g++) {
         const int blk = q4 ? g : g / 2, v0 = q4 ? 0 : 4 * (g & 1), v1 = q4 ? 8 : v0 + 4;
         const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
-        __m512i dot[2][KG_MR];
-        for (int j = 0; j < mr; j++) dot[0][j] = dot[1][j] = _mm512_setzero_si512();
+        __m512i dot[KG_MR];
+        for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
         for (int v = v0; v < v1; v++)
-            for (int j = 0; j < mr; j++) dot[v & 1][j] = dpbusd_bcast(dot[v & 1][j], u->w[blk][v], a[j]->q + at + 4 * v);
-        for (int j = 0; j < mr; j++)
-            S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(_mm512_add_epi32(dot[0][j], dot[1][j]), u->sc[g]));
+            for (int j = 0; j < mr; j++) dot[j] = dpbusd_bcast(dot[j], u->w[blk][v], a[j].q + at + 4 * v);
+        for (int j = 0; j < mr; j++) S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(dot[j], u->sc[g]));
     }
     for (int j = 0; j < mr; j++) {
-        const __m512 dx = _mm512_set1_ps(a[j]->d);
+        const __m512 dx = _mm512_set1_ps(a[j].d);
         __m512 o = _mm512_loadu_ps(out + 16 * j);
         __m512i ms = _mm512_setzero_si512();
         for (int k = 0; k < (q4 ? 4 : 8); k++)
-            ms = _mm512_add_epi32(ms, _mm512_madd_epi16(u->mn[k], _mm512_set1_epi32(x_four(
-                                          (const int8_t *)(q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k)))));
+            ms = dpwssd_bcast(ms, u->mn[k], q4 ? a[j].halves + 2 * k : a[j].sums + 2 * k);
         if (!q4) S[j] = _mm512_sub_epi32(S[j], _mm512_slli_epi32(ms, 5));
         o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[j]), _mm512_mul_ps(u->d, dx), o);
         if (q4) o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(u->ndmin, dx), o);
@@ -919,7 +919,7 @@ static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u)
 /* Input rows against an unpacked super-block: each row's S and Ms, 16 weight rows' at once, and the two fmas of
  * every output (out: 16 floats per input row). Each broadcast of 4 inputs meets both groups of 8 rows: the
  * broadcasts take a vector pipe's slot on Zen 3, one per maddubs measured ~20 % slower. */
-static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *const *a,
+static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *a,
                                                           const int mr, float *out) {
     __m256i S[KG_MR][KG_GROUPS], p[KG_MR][KG_GROUPS];
     for (int j = 0; j < mr; j++)
@@ -933,7 +933,7 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
             const int g = blk * per + gg, v0 = 8 / per * gg, v1 = v0 + 8 / per;
             for (int v = v0; v < v1; v++)
                 for (int j = 0; j < mr; j++) {
-                    const __m256i x = broadcast_four(a[j]->q + at + 4 * v);
+                    const __m256i x = broadcast_four(a[j].q + at + 4 * v);
                     for (int h = 0; h < KG_GROUPS; h++) {
                         const __m256i d = _mm256_maddubs_epi16(u->g[h].w[blk][v], x);
                         p[j][h] = v == v0 ? d : _mm256_add_epi16(p[j][h], d);
@@ -946,14 +946,14 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
         }
     }
     for (int j = 0; j < mr; j++) {
-        const __m256 dx = _mm256_set1_ps(a[j]->d);
+        const __m256 dx = _mm256_set1_ps(a[j].d);
         for (int h = 0; h < KG_GROUPS; h++) {
             const kg_half *e = &u->g[h];
             __m256 o = _mm256_loadu_ps(out + KG_ROWS * j + 8 * h);
             __m256i ms = _mm256_setzero_si256(), sj = S[j][h];
             for (int k = 0; k < (q4 ? 4 : 8); k++)
                 ms = _mm256_add_epi32(ms, _mm256_madd_epi16(e->mn[k], broadcast_four((const int8_t *)(
-                                                  q4 ? a[j]->halves + 2 * k : a[j]->sums + 2 * k))));
+                                                  q4 ? a[j].halves + 2 * k : a[j].sums + 2 * k))));
             if (!q4) sj = _mm256_sub_epi32(sj, _mm256_slli_epi32(ms, 5));
             o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sj), _mm256_mul_ps(e->d, dx), o);
             if (q4) o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(e->ndmin, dx), o);
@@ -987,12 +987,17 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
                 for (int line = 0; line < bytes + 64; line += 64)
                     _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * bytes + line, _MM_HINT_T0);
         kg_unpack(first, row_bytes, q4, u);
-        const q8_block *a[KG_MR];
+        /* the last super-block stores each pass's rows as they are done: one burst of M stores to M lines (y_stride
+         * apart, most missing the caches) at the tile's end stalled its next tile's start */
+        const int last = b == blocks - 1;
         /* every pass of KG_MR rows, then the rest: row counts known at compile time in each copy of kg_rows */
 #define KG_PASS(kind, mr, m0)                                                       \
         do {                                                                        \
-            for (int j = 0; j < mr; j++) a[j] = xq + (long)b * M + (m0) + j;        \
-            kg_rows(u, kind, a, mr, out + (long)KG_ROWS * (m0));                    \
+            kg_rows(u, kind, xq + (long)b * M + (m0), mr, out + (long)KG_ROWS * (m0)); \
+            if (last)                                                               \
+                for (int j = 0; j < mr; j++)                                        \
+                    store_outputs(out + (long)KG_ROWS * ((m0) + j), KG_ROWS, bias, y, \
+                                  (long)((m0) + j) * y_stride, n0, f32);            \
         } while (0)
 #define KG_PASSES(kind)                                                             \
         do {                                                                        \
@@ -1015,7 +1020,6 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #undef KG_PASSES
 #undef KG_PASS
     }
-    for (int m = 0; m < M; m++) store_outputs(out + (long)KG_ROWS * m, KG_ROWS, bias, y, (long)m * y_stride, n0, f32);
 }
 #endif
 
