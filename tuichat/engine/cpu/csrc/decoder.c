@@ -165,8 +165,11 @@ typedef struct {
     int lo, first, n;
 } row_job;
 
-/* 4 x KEYS_AT_ONCE accumulators and the keys in registers: 32 of them with AVX-512, 16 with AVX2. */
-#define KEYS_AT_ONCE (LANES == 16 ? 4 : 2)
+/* A score tile's query heads and keys, its accumulators and keys in registers (32 with AVX-512, 16 with AVX2):
+ * with AVX-512 all of a task's heads (up to 12) at once where they are more than 4, 2 keys a tile, so that each
+ * key is widened once for all of them (two tiles of 4 heads widened it twice); else 4 heads x 4 keys (AVX2: x 2). */
+#define TILE_HEADS(heads) (LANES == 16 && (heads) > 4 ? (heads) : (heads) < 4 ? (heads) : 4)
+#define TILE_KEYS(heads) (LANES == 16 ? ((heads) > 4 ? 2 : 4) : 2)
 
 /* The key a block's positions past a task's last read: 0 in f16 and bf16 alike. */
 static const uint16_t zero_key[256];
@@ -234,10 +237,11 @@ static inline __attribute__((always_inline)) void attend_shape(
     } else
 #endif
     {
-    /* Dot products in tiles of 4 query heads x KEYS_AT_ONCE keys, the accumulators in registers: each widened
-     * key serves 4 heads, each query chunk the tile's keys. Heads past the task's (a tile's remainder, rows it
-     * lacks) have a query of 0. */
-    const int all_heads = RMAX * group, tile = all_heads < 4 ? all_heads : 4, tiled = (all_heads + tile - 1) / tile * tile;
+    /* Dot products in tiles of TILE_HEADS query heads x TILE_KEYS keys, the accumulators in registers: each
+     * widened key serves the tile's heads, each query chunk the tile's keys. Heads past the task's (a tile's
+     * remainder, rows it lacks) have a query of 0. */
+    const int all_heads = RMAX * group, tile = TILE_HEADS(all_heads), keys_at_once = TILE_KEYS(all_heads);
+    const int tiled = (all_heads + tile - 1) / tile * tile;
     vf qv[MOST_HEADS][256 / LANES];
     for (int i = 0; i < tiled; i++)
         for (int c = 0; c < chunks; c++)
@@ -253,19 +257,19 @@ static inline __attribute__((always_inline)) void attend_shape(
         /* A block's dot products have their lane sums taken LANES at once (sum_each: ~3 operations a sum where
          * a horizontal sum per position took ~10). A row's keys past its n are scored, then masked. */
         vf dots[MOST_HEADS][16];
-        for (int k0 = 0; k0 < 16; k0 += KEYS_AT_ONCE)
+        for (int k0 = 0; k0 < 16; k0 += keys_at_once)
             for (int m0 = 0; m0 < tiled; m0 += tile) {
-                vf acc[4][KEYS_AT_ONCE];
+                vf acc[MOST_HEADS][4];
                 for (int m = 0; m < tile; m++)
-                    for (int k = 0; k < KEYS_AT_ONCE; k++) acc[m][k] = splat(0.0f);
+                    for (int k = 0; k < keys_at_once; k++) acc[m][k] = splat(0.0f);
                 for (int c = 0; c < chunks; c++) {
-                    vf key[KEYS_AT_ONCE];
-                    for (int k = 0; k < KEYS_AT_ONCE; k++) key[k] = LOAD_KV(key_at[k0 + k] + LANES * c);
+                    vf key[4];
+                    for (int k = 0; k < keys_at_once; k++) key[k] = LOAD_KV(key_at[k0 + k] + LANES * c);
                     for (int m = 0; m < tile; m++)
-                        for (int k = 0; k < KEYS_AT_ONCE; k++) acc[m][k] += qv[m0 + m][c] * key[k];
+                        for (int k = 0; k < keys_at_once; k++) acc[m][k] += qv[m0 + m][c] * key[k];
                 }
                 for (int m = 0; m < tile; m++)
-                    for (int k = 0; k < KEYS_AT_ONCE; k++) dots[m0 + m][k0 + k] = acc[m][k];
+                    for (int k = 0; k < keys_at_once; k++) dots[m0 + m][k0 + k] = acc[m][k];
             }
         for (int r = 0; r < RMAX && r < R; r++) {
             if (!active[r]) continue;
