@@ -5,6 +5,8 @@ chunked or cached."""
 from __future__ import annotations
 
 import copy
+import os
+import threading
 
 import pytest
 import torch
@@ -229,6 +231,33 @@ def test_structs_laid_out_otherwise_than_decoder_c_are_refused(kernels, monkeypa
     monkeypatch.setattr(native, "LayerWeights", Swapped)
     with pytest.raises(RuntimeError, match="decoder.c's structs differ from native.py's"):
         native.check_abi(kernels)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or torch.get_num_threads() < 2, reason="needs two threads on two cores")
+def test_a_step_pins_its_callers_workers_never_the_caller(kernels):
+    """A new engine thread's OpenMP worker once started on the engine thread's own core, and the first step after
+    an idle second ran ~10 ms longer: each worker of a step's caller is pinned to a core of its own. The caller
+    keeps its mask (it may be any thread, and a process it starts inherits it)."""
+    model, _ = make("llama")
+    engine = Engine(model, config=EngineConfig(num_blocks=8))
+    seen: dict[str, object] = {}
+
+    def caller() -> None:  # a fresh thread: its OpenMP workers are new
+        tasks = set(os.listdir("/proc/self/task"))
+        mask = os.sched_getaffinity(0)
+        engine.runner.execute([StepChunk([1, 2, 3], 0, [7], True)])
+        workers = set(os.listdir("/proc/self/task")) - tasks
+        seen["caller"] = (mask, os.sched_getaffinity(0))
+        seen["workers"] = [os.sched_getaffinity(int(tid)) for tid in workers]
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join(timeout=60)
+    engine.close()
+    before, after = seen["caller"]
+    assert after == before
+    assert seen["workers"] and all(len(mask) == 1 for mask in seen["workers"])
 
 
 @pytest.fixture(scope="module")
