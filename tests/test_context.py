@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from tests.helpers import hf_greedy, template_ids
-from tuichat.backends.context import SUMMARY_TITLE, with_summary
+from tuichat.backends.context import SUMMARY_TITLE, evicted_reason, with_summary
 from tuichat.backends.local import SUMMARY_PROMPT, LocalBackend, chat_ids, summary_tokens
 from tuichat.backends.protocol import EngineOptions, Message, SamplingParams
 
@@ -107,6 +107,16 @@ def test_the_summarise_policy_puts_the_models_summary_in_place_of_the_dropped_tu
     sent = with_summary([SYSTEM], want) + rest[dropped:]
     assert sent[0].content.startswith(f"{SYSTEM.content}\n\n{SUMMARY_TITLE}: ")
     assert usage.prompt_tokens == len(template_ids(tokenizer, sent))
+
+
+def test_a_history_ending_on_a_block_boundary_is_not_reported_evicted():
+    """The reply's last token is never computed (its K/V comes with the next turn) unless a draft brought it, so a
+    336-token history in blocks of 16 finds 320 tokens cached: no eviction (speculation's timing-sized drafts made
+    this turn up as "16 tokens evicted" now and then). One block fewer is one."""
+    assert evicted_reason(320, 336, 16) is None and evicted_reason(336, 336, 16) is None
+    assert evicted_reason(336, 337, 16) is None
+    assert "17 tokens of the history had been evicted" in evicted_reason(320, 337, 16)
+    assert "32 tokens of the history had been evicted" in evicted_reason(304, 336, 16)
 
 
 def test_each_reason_for_a_cache_miss_is_reported(tiny_chat_model, tmp_path):

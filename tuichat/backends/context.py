@@ -133,8 +133,10 @@ def miss_reason(previous: Previous | None, model: str, messages: Sequence[Messag
 
 def evicted_reason(cached: int, history: int, block_size: int) -> str | None:
     """Why `cached` prompt tokens came from the cache where the `history` tokens the previous turn ran were
-    expected (the cache holds full blocks only)."""
-    if cached >= history // block_size * block_size:
+    expected. The cache holds full blocks of computed tokens only, and the reply's last token was never computed
+    (its K/V comes with this turn) unless a draft brought it: where the history ends on a block's boundary, that
+    block may be missing without anything having been evicted."""
+    if cached >= (history - 1) // block_size * block_size:
         return None
     return (f"{history - cached:,} tokens of the history had been evicted from the KV cache to make room for other "
             "requests")
