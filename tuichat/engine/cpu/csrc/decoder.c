@@ -590,19 +590,12 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
     return 0;
 }
 
-/* A step from its token ids, in one call (each torch op it replaces costs more in a decode step than its work,
- * as the weights just streamed through evicted the interpreter's caches); step_args (kernels.h) says what each argument
- * holds. The embedding gives hidden's rows (the step's dtype, as decoder_layers); the rows run through the layers
- * in pieces of up to 512, in order: a piece finds the K/V of those before it in the cache, as it would its own.
- * Then, with final_weight (f32 only), the final norm of the sample rows into `normed`, and with `head` their
- * logits. 0 on success; -1 for a shape the kernels do not take, -2 out of memory, -3 for a block table or
- * position outside the cache, -4 for an id or sample row out of range, -5 for arguments of another build. */
 /* A calling thread's OpenMP workers, each pinned once to a core other than the one the caller runs on. The engine
  * thread ends after an idle second and the next message starts another, whose new worker the system often starts
  * on the engine thread's own core: both then shared it until the load balancer parted them, and that first step
- * ran ~10 ms longer (the embedded model's 41-token prefill 22-25 ms against 10-14; pinned, 11-12 in both). The
- * caller is never pinned (it may be any thread, and a process it starts would inherit the mask), nor anything
- * where the team has more threads than the cores it may use. */
+ * ran ~10 ms longer (docs/design/kernels.md, "One OpenMP pool"). The caller is never pinned (it may be any thread,
+ * and a process it starts would inherit the mask), nor anything where the team has more threads than the cores it
+ * may use. */
 static void place_workers(int threads) {
 #if defined(__linux__)
     static __thread int placed; /* the team size this thread's workers were placed for */
@@ -631,6 +624,13 @@ static void place_workers(int threads) {
 #endif
 }
 
+/* A step from its token ids, in one call (each torch op it replaces costs more in a decode step than its work,
+ * as the weights just streamed through evicted the interpreter's caches); step_args (kernels.h) says what each argument
+ * holds. The embedding gives hidden's rows (the step's dtype, as decoder_layers); the rows run through the layers
+ * in pieces of up to 512, in order: a piece finds the K/V of those before it in the cache, as it would its own.
+ * Then, with final_weight (f32 only), the final norm of the sample rows into `normed`, and with `head` their
+ * logits. 0 on success; -1 for a shape the kernels do not take, -2 out of memory, -3 for a block table or
+ * position outside the cache, -4 for an id or sample row out of range, -5 for arguments of another build. */
 static int step(scratch *s, const step_args *a) {
     const int rows = a->rows, width = a->width, f32 = a->f32;
     const int32_t *ids = a->ints, *pos = a->ints + rows, *table_off = a->ints + 2 * (long)rows;
