@@ -65,8 +65,8 @@ def test_a_k_quant_linear_is_gguf_dequantized_times_its_int8_inputs(kernels, nam
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
-    """80 rows go through the GEMM (AVX2's takes Q6_K from 64 rows), 17 or 6 a lane each (512-bit VNNI), one row
-    or four through the row tiles: the same outputs, bit for bit."""
+    """80 rows go through the GEMM (AVX2's takes Q6_K from 64 rows), 6, 17 or 32 a lane each (512-bit VNNI: tiles of
+    8 rows, two at a time and one alone), one row or four through the row tiles: the same outputs, bit for bit."""
     k = 768
     in_place_or_skip(kernels, name, k)
     raw = blocks(name, 32, k, seed=5)
@@ -79,6 +79,7 @@ def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
         assert torch.equal(kernels.linear(x[5:11].to(dtype), weight, None), together[5:11])
         assert torch.equal(kernels.linear(x[7:11].to(dtype), weight, None), together[7:11])
         assert torch.equal(kernels.linear(x[3:20].to(dtype), weight, None), together[3:20])
+        assert torch.equal(kernels.linear(x[10:42].to(dtype), weight, None), together[10:42])
         for rows in range(65, 73):  # the GEMM's passes of input rows and each remainder after them
             assert torch.equal(kernels.linear(x[:rows].to(dtype), weight, None), together[:rows])
 

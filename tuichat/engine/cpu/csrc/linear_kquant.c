@@ -195,6 +195,15 @@ static const int8_t q4_k_scale_bytes[4][64] __attribute__((aligned(64))) = {
 #undef EIGHT
 #undef Z
 
+/* q4_k_scales_v of four 12-byte groups at once, one a 128-bit lane of x (dwords u0 u1 u2). */
+static inline __m512i q4_k_decode4(__m512i x) {
+    const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x3f3f3f3f));
+    const __m512i b = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(x, 0xaa), _mm512_set4_epi32(0, 0, 4, 0)),
+                                       _mm512_set1_epi32(0x0f0f0f0f));
+    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(x, 2), _mm512_set1_epi32(0x30303030));
+    return _mm512_unpacklo_epi32(a, _mm512_or_si512(b, c));
+}
+
 /* q4_k_scales_v of four super-blocks one after another (at s, 144 bytes apart), a 128-bit lane each: one
  * decode for the four, where a one-row pass is bound by its instructions. */
 static inline __m512i q4_k_scales_v4(const uint8_t *s) {
@@ -202,11 +211,7 @@ static inline __m512i q4_k_scales_v4(const uint8_t *s) {
     x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + Q4_K_BYTES)), 1);
     x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + 2 * Q4_K_BYTES)), 2);
     x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(s + 3 * Q4_K_BYTES)), 3);
-    const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x3f3f3f3f));
-    const __m512i b = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi32(x, 0xaa), _mm512_set4_epi32(0, 0, 4, 0)),
-                                       _mm512_set1_epi32(0x0f0f0f0f));
-    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(x, 2), _mm512_set1_epi32(0x30303030));
-    return _mm512_unpacklo_epi32(a, _mm512_or_si512(b, c));
+    return q4_k_decode4(x);
 }
 
 /* 128-bit lane i of v (a constant once the caller's loop is unrolled: the instruction wants an immediate). */
@@ -1024,13 +1029,13 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-/* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, speculation's verify rows) the other way round from
- * the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its 256 quants in natural
- * order (ands and shifts, no transposes), two weight rows' interleaved dword by dword, so that one 8-byte broadcast
- * puts row A's 4 quants at a position in the even lanes and row B's in the odd; the 8 input rows' 4 inputs there,
- * each laid out twice (lanes 2i and 2i + 1), meet both rows in one 512-bit dpbusd. The inputs are laid out once per
- * call. The sub-blocks' scales multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same
- * order: the same outputs. */
+/* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, a prompt's first chunk, speculation's verify rows)
+ * the other way round from the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its
+ * 256 quants in natural order (ands and shifts, no transposes), two weight rows' interleaved dword by dword, so that
+ * one 8-byte broadcast puts row A's 4 quants at a position in the even lanes and row B's in the odd; the 8 input
+ * rows' 4 inputs there, each laid out twice (lanes 2i and 2i + 1), meet both rows in one 512-bit dpbusd (two tiles
+ * of 8 input rows share each broadcast: kx_pass). The inputs are laid out once per call. The sub-blocks' scales
+ * multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same order: the same outputs. */
 #define KX_LANES 8  /* input rows per pass: two int32 lanes each (one per weight row of a pair) */
 #define KX_NR 8     /* weight rows unpacked together (four pairs: their broadcasts share each load of the inputs) */
 #define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
@@ -1068,28 +1073,15 @@ static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int
 
 /* Two weight rows' super-blocks (a pair): their quants interleaved dword by dword into wb (dword p of row A at
  * 2p, of row B at 2p + 1; p in natural order, 0..63), the two rows' bytes side by side in one 512-bit vector
- * through the ands and shifts and one permute putting them in place; their scales as int32 pairs (Q4_K's 8, Q6_K's
- * 16), (Q4_K) minimums' int16 pairs (dword k: m[2k] | m[2k + 1] << 16), each row's d and -dmin. */
+ * through the ands and shifts and one permute putting them in place; Q6_K's scales as int32 pairs [A, B] and each
+ * row's d (and -dmin: 0). Q4_K's headers come from kx_q4_k_heads. */
 static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *a, const uint8_t *b, int q4, int32_t *wb,
-                                                                 int32_t sc[16][2], int32_t mn[4][2], float d[2],
-                                                                 float nd[2]) {
+                                                                 int32_t sc[16][2], float d[2], float nd[2]) {
     const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i side_by_side = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
 #define KX_BOTH(offset) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + (offset)))), \
                                            _mm256_loadu_si256((const __m256i *)(b + (offset))), 1)
-    __m512i sa, sb;
     if (q4) {
-        uint16_t ha[2], hb[2];
-        memcpy(ha, a, 4);
-        memcpy(hb, b, 4);
-        d[0] = half_to_float(ha[0]), d[1] = half_to_float(hb[0]);
-        nd[0] = -half_to_float(ha[1]), nd[1] = -half_to_float(hb[1]);
-        const __m128i both_a = q4_k_scales_v(a + 4), both_b = q4_k_scales_v(b + 4);
-        sa = _mm512_cvtepu8_epi32(both_a); /* lanes 8-15 hold the minimums: unused */
-        sb = _mm512_cvtepu8_epi32(both_b);
-        const __m128i ma = _mm_cvtepu8_epi16(_mm_srli_si128(both_a, 8)), mb = _mm_cvtepu8_epi16(_mm_srli_si128(both_b, 8));
-        _mm_store_si128((__m128i *)mn[0], _mm_unpacklo_epi32(ma, mb));
-        _mm_store_si128((__m128i *)mn[2], _mm_unpackhi_epi32(ma, mb));
         for (int c = 0; c < 4; c++) {
             const __m512i v = KX_BOTH(16 + 32 * c);
             _mm512_store_si512(wb + 32 * c, _mm512_permutexvar_epi32(side_by_side, _mm512_and_si512(v, nib)));
@@ -1102,8 +1094,12 @@ static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *
         memcpy(&hb, b + 208, 2);
         d[0] = half_to_float(ha), d[1] = half_to_float(hb);
         nd[0] = nd[1] = 0.0f;
-        sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a + 192)));
-        sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a + 192)));
+        const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+        /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
+        const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        _mm512_store_si512(sc[0], _mm512_permutex2var_epi32(sa, first, sb));
+        _mm512_store_si512(sc[8], _mm512_permutex2var_epi32(sa, _mm512_add_epi32(first, _mm512_set1_epi32(8)), sb));
         for (int h = 0; h < 2; h++) { /* weights 128h + 32t + i: ql's nibble t / 2 of chunk t % 2, qh's pair t */
             const __m512i qh = KX_BOTH(128 + 32 * h);
             for (int t = 0; t < 4; t++) {
@@ -1115,16 +1111,103 @@ static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *
         }
     }
 #undef KX_BOTH
-    /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
-    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    _mm512_store_si512(sc[0], _mm512_permutex2var_epi32(sa, first, sb));
-    if (!q4) _mm512_store_si512(sc[8], _mm512_permutex2var_epi32(sa, _mm512_add_epi32(first, _mm512_set1_epi32(8)), sb));
+}
+
+/* Q4_K's headers of KX_NR weight rows' super-blocks (from `first`, rows row_bytes apart), pair by pair (rows 2p,
+ * 2p + 1): the scales as int32 pairs [A, B], the minimums as int16 pairs (dword k: m[2k] | m[2k + 1] << 16) of A
+ * then of B, each row's d and -dmin. The 8 rows are decoded in two vectors of four (even rows, odd: one unpack then
+ * pairs them): a pair at a time, 8-row tiles measured ~9 % slower (docs/design/kernels.md). */
+static inline __attribute__((always_inline)) void kx_q4_k_heads(const uint8_t *first, long row_bytes, int32_t sc[][16][2],
+                                                                int32_t mn[][4][2], float d[][2], float nd[][2]) {
+    __m512i head[2], both[2]; /* even rows, odd rows: lane i row 2i (+ 1); both: bytes 0-7 scales, 8-15 minimums */
+    for (int odd = 0; odd < 2; odd++) {
+        const uint8_t *r = first + odd * row_bytes;
+        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r));
+        for (int i = 1; i < 4; i++) x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(r + 2 * i * row_bytes)), i);
+        head[odd] = x;
+        both[odd] = q4_k_decode4(_mm512_bsrli_epi128(x, 4));
+    }
+    /* d | dmin << 16 of rows 0..7, as 16 fp16 values, then [d0..d7 | dmin0..dmin7] */
+    const __m512i heads = _mm512_permutexvar_epi64(_mm512_set_epi64(0, 0, 0, 0, 6, 4, 2, 0),
+                                                   _mm512_unpacklo_epi32(head[0], head[1]));
+    const __m512 all = _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0),
+                                             _mm512_cvtph_ps(_mm512_castsi512_si256(heads)));
+    _mm256_storeu_ps(d[0], _mm512_castps512_ps256(all));
+    _mm256_storeu_ps(nd[0], _mm256_sub_ps(_mm256_setzero_ps(), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1))));
+    const __m512i scales = _mm512_unpacklo_epi8(both[0], both[1]), mins = _mm512_unpackhi_epi16(both[0], both[1]);
+    for (int p = 0; p < KX_NR / 2; p++) {
+        _mm512_store_si512(sc[p], _mm512_cvtepu8_epi32(lane_of(scales, p)));
+        _mm256_store_si256((__m256i *)mn[p], _mm256_cvtepu8_epi16(lane_of(mins, p)));
+    }
 }
 
 static inline int64_t kx_eight(const void *p) {
     int64_t eight;
     memcpy(&eight, p, 8);
     return eight;
+}
+
+/* One super-block of KX_NR weight rows (unpacked: wb, sc, mn, d, nd) against tt (1 or 2) tiles of input rows (x,
+ * the second `stride` blocks on), into their sums at acc. Two tiles share each broadcast of a pair's weights (rows
+ * from 16 up: a prompt's, speculation's verify rows); their 8 chains, one a pair and tile, hide dpbusd's latency.
+ * One tile runs two chains a pair (even and odd dwords): 4 chains alone wait on it. Q6_K's -32: the first chain
+ * starts from -32 times the inputs' sum (the same integer as a sub). */
+static inline __attribute__((always_inline)) void kx_pass(const kx_block *x, long stride, const int tt, const int q4,
+                                                          const int32_t wb[][128], const int32_t sc[][16][2],
+                                                          const int32_t mn[][4][2], const float d[][2],
+                                                          const float nd[][2], float *acc) {
+    enum { PAIRS = KX_NR / 2 };
+    const kx_block *xt[2] = {x, x + stride};
+    __m512i S[2][PAIRS];
+    for (int k = 0; k < tt; k++)
+        for (int pr = 0; pr < PAIRS; pr++) S[k][pr] = _mm512_setzero_si512();
+    const int per = q4 ? 8 : 4; /* dwords of a scale's group: groups run 8 dwords (an eight) at a time */
+    for (int e = 0; e < 8; e++)
+        for (int h = 0; h < 8 / per; h++) {
+            const int g = e * 8 / per + h;
+            __m512i dot[2][PAIRS], odd[PAIRS];
+            for (int k = 0; k < tt; k++) {
+                const __m512i start = q4 ? _mm512_setzero_si512() : _mm512_load_si512(xt[k]->sums32[g]);
+                for (int pr = 0; pr < PAIRS; pr++) dot[k][pr] = start;
+            }
+            for (int pr = 0; pr < PAIRS; pr++) odd[pr] = _mm512_setzero_si512();
+            for (int v = 0; v < per; v++) {
+                __m512i xv[2];
+                for (int k = 0; k < tt; k++) {
+                    xv[k] = _mm512_load_si512(xt[k]->q[8 * e + per * h + v]);
+                    /* in a register: one load for the pairs' dpbusd, not one each (the broadcasts load enough) */
+                    __asm__("" : "+v"(xv[k]));
+                }
+                for (int pr = 0; pr < PAIRS; pr++) {
+                    const __m512i four = _mm512_set1_epi64(kx_eight(wb[pr] + 16 * e + 2 * (per * h + v)));
+                    if (tt == 1 && v & 1) odd[pr] = _mm512_dpbusd_epi32(odd[pr], four, xv[0]);
+                    else
+                        for (int k = 0; k < tt; k++) dot[k][pr] = _mm512_dpbusd_epi32(dot[k][pr], four, xv[k]);
+                }
+            }
+            for (int pr = 0; pr < PAIRS; pr++) {
+                const __m512i scale = _mm512_set1_epi64(kx_eight(sc[pr][g]));
+                if (tt == 1) dot[0][pr] = _mm512_add_epi32(dot[0][pr], odd[pr]);
+                for (int k = 0; k < tt; k++) S[k][pr] = _mm512_add_epi32(S[k][pr], _mm512_mullo_epi32(dot[k][pr], scale));
+            }
+        }
+    for (int k = 0; k < tt; k++) {
+        const __m512 dx = _mm512_load_ps(xt[k]->d);
+        for (int pr = 0; pr < PAIRS; pr++) {
+            float *at = acc + ((long)k * PAIRS + pr) * 2 * KX_LANES;
+            const __m512 dd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(d[pr]))); /* [dA, dB] repeated */
+            __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[k][pr]), _mm512_mul_ps(dd, dx), _mm512_loadu_ps(at));
+            if (q4) {
+                __m512i ms = _mm512_setzero_si512();
+                for (int j = 0; j < 4; j++)
+                    ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi64(kx_eight(mn[pr][j])),
+                                                                _mm512_load_si512(xt[k]->halves[j])));
+                const __m512 ndd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(nd[pr])));
+                o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(ndd, dx), o);
+            }
+            _mm512_storeu_ps(at, o);
+        }
+    }
 }
 
 /* Weight rows n0..n0+KX_NR-1 against all M input rows: acc holds [M tiles][KX_NR / 2 pairs][2 * KX_LANES] sums
@@ -1144,52 +1227,13 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
          * each row's next super-block into L1 instead left a third of the time waiting on DRAM. */
         const char *ahead = (const char *)w + (long)n0 * row_bytes + (long)b * KX_NR * bytes + KX_AHEAD;
         for (int line = 0; line < KX_NR * bytes; line += 64) _mm_prefetch(ahead + line, KQ_HINT);
+        if (q4) kx_q4_k_heads(w + (long)n0 * row_bytes + (long)b * bytes, row_bytes, sc, mn, d, nd);
         for (int pr = 0; pr < PAIRS; pr++)
             kx_unpack_pair(w + (long)(n0 + 2 * pr) * row_bytes + (long)b * bytes,
-                           w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, wb[pr], sc[pr], mn[pr], d[pr], nd[pr]);
-        for (int t = 0; t < tiles; t++) {
-            const kx_block *x = kx + (long)t * blocks + b;
-            __m512i S[PAIRS];
-            for (int pr = 0; pr < PAIRS; pr++) S[pr] = _mm512_setzero_si512();
-            const int per = q4 ? 8 : 4; /* dwords of a scale's group: groups run 8 dwords (an eight) at a time */
-            for (int e = 0; e < 8; e++)
-                for (int h = 0; h < 8 / per; h++) {
-                    const int g = e * 8 / per + h;
-                    /* Two accumulators a pair (even and odd v): PAIRS chains of dpbusd alone wait on its latency.
-                     * Q6_K's -32: the even chain starts from -32 times the inputs' sum (the same integer as a sub). */
-                    const __m512i start = q4 ? _mm512_setzero_si512() : _mm512_load_si512(x->sums32[g]);
-                    __m512i dot[PAIRS], odd[PAIRS];
-                    for (int pr = 0; pr < PAIRS; pr++) dot[pr] = start, odd[pr] = _mm512_setzero_si512();
-                    for (int v = 0; v < per; v++) {
-                        __m512i xv = _mm512_load_si512(x->q[8 * e + per * h + v]);
-                        /* in a register: one load for the pairs' dpbusd, not one each (the broadcasts load enough) */
-                        __asm__("" : "+v"(xv));
-                        for (int pr = 0; pr < PAIRS; pr++) {
-                            __m512i *into = v & 1 ? &odd[pr] : &dot[pr];
-                            const int32_t *four = wb[pr] + 16 * e + 2 * (per * h + v);
-                            *into = _mm512_dpbusd_epi32(*into, _mm512_set1_epi64(kx_eight(four)), xv);
-                        }
-                    }
-                    for (int pr = 0; pr < PAIRS; pr++)
-                        S[pr] = _mm512_add_epi32(S[pr], _mm512_mullo_epi32(_mm512_add_epi32(dot[pr], odd[pr]),
-                                                                           _mm512_set1_epi64(kx_eight(sc[pr][g]))));
-                }
-            const __m512 dx = _mm512_load_ps(x->d);
-            for (int pr = 0; pr < PAIRS; pr++) {
-                float *at = acc + ((long)t * PAIRS + pr) * 2 * KX_LANES;
-                const __m512 dd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(d[pr]))); /* [dA, dB] repeated */
-                __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[pr]), _mm512_mul_ps(dd, dx), _mm512_loadu_ps(at));
-                if (q4) {
-                    __m512i ms = _mm512_setzero_si512();
-                    for (int k = 0; k < 4; k++)
-                        ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi64(kx_eight(mn[pr][k])),
-                                                                    _mm512_load_si512(x->halves[k])));
-                    const __m512 ndd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(nd[pr])));
-                    o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(ndd, dx), o);
-                }
-                _mm512_storeu_ps(at, o);
-            }
-        }
+                           w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, wb[pr], sc[pr], d[pr], nd[pr]);
+        int t = 0;
+        for (; t + 2 <= tiles; t += 2) kx_pass(kx + (long)t * blocks + b, blocks, 2, q4, wb, sc, mn, d, nd, acc + (long)t * KX_NR * KX_LANES);
+        if (t < tiles) kx_pass(kx + (long)t * blocks + b, blocks, 1, q4, wb, sc, mn, d, nd, acc + (long)t * KX_NR * KX_LANES);
     }
     for (int m = 0; m < M; m++) {
         float out[KX_NR];
