@@ -1074,9 +1074,9 @@ static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int
 /* Two weight rows' super-blocks (a pair): their quants interleaved dword by dword into wb (dword p of row A at
  * 2p, of row B at 2p + 1; p in natural order, 0..63), the two rows' bytes side by side in one 512-bit vector
  * through the ands and shifts and one permute putting them in place; Q6_K's scales as int32 pairs [A, B] and each
- * row's d (and -dmin: 0). Q4_K's headers come from kx_q4_k_heads. */
+ * row's d. Q4_K's headers come from kx_q4_k_heads. */
 static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *a, const uint8_t *b, int q4, int32_t *wb,
-                                                                 int32_t sc[16][2], float d[2], float nd[2]) {
+                                                                 int32_t sc[16][2], float d[2]) {
     const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
     const __m512i side_by_side = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
 #define KX_BOTH(offset) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + (offset)))), \
@@ -1093,7 +1093,6 @@ static inline __attribute__((always_inline)) void kx_unpack_pair(const uint8_t *
         memcpy(&ha, a + 208, 2);
         memcpy(&hb, b + 208, 2);
         d[0] = half_to_float(ha), d[1] = half_to_float(hb);
-        nd[0] = nd[1] = 0.0f;
         const __m512i sa = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a + 192)));
         const __m512i sb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
         /* the two rows' scales side by side: [a0, b0, a1, b1, ...] */
@@ -1157,7 +1156,7 @@ static inline __attribute__((always_inline)) void kx_pass(const kx_block *x, lon
                                                           const int32_t mn[][4][2], const float d[][2],
                                                           const float nd[][2], float *acc) {
     enum { PAIRS = KX_NR / 2 };
-    const kx_block *xt[2] = {x, x + stride};
+    const kx_block *xt[2] = {x, tt == 2 ? x + stride : x};
     __m512i S[2][PAIRS];
     for (int k = 0; k < tt; k++)
         for (int pr = 0; pr < PAIRS; pr++) S[k][pr] = _mm512_setzero_si512();
@@ -1219,7 +1218,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
     const int tiles = (M + KX_LANES - 1) / KX_LANES, bytes = q4 ? Q4_K_BYTES : Q6_K_BYTES;
     _Alignas(64) int32_t wb[PAIRS][128]; /* a pair's quants, dword p of each row side by side */
     _Alignas(64) int32_t sc[PAIRS][16][2], mn[PAIRS][4][2];
-    float d[PAIRS][2], nd[PAIRS][2];
+    float d[PAIRS][2], nd[PAIRS][2]; /* nd: Q4_K's only */
     memset(acc, 0, sizeof(float) * KX_NR * KX_LANES * (size_t)tiles);
     for (int b = 0; b < blocks; b++) {
         /* The tile's KX_NR rows lie one after another, and a thread's tiles too: a pointer that crosses the tile's
@@ -1230,7 +1229,7 @@ static inline __attribute__((always_inline)) void kx_tile(const uint8_t *w, long
         if (q4) kx_q4_k_heads(w + (long)n0 * row_bytes + (long)b * bytes, row_bytes, sc, mn, d, nd);
         for (int pr = 0; pr < PAIRS; pr++)
             kx_unpack_pair(w + (long)(n0 + 2 * pr) * row_bytes + (long)b * bytes,
-                           w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, wb[pr], sc[pr], d[pr], nd[pr]);
+                           w + (long)(n0 + 2 * pr + 1) * row_bytes + (long)b * bytes, q4, wb[pr], sc[pr], d[pr]);
         int t = 0;
         for (; t + 2 <= tiles; t += 2) kx_pass(kx + (long)t * blocks + b, blocks, 2, q4, wb, sc, mn, d, nd, acc + (long)t * KX_NR * KX_LANES);
         if (t < tiles) kx_pass(kx + (long)t * blocks + b, blocks, 1, q4, wb, sc, mn, d, nd, acc + (long)t * KX_NR * KX_LANES);
