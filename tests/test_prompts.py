@@ -168,3 +168,26 @@ def test_a_stateless_client_resending_its_history_as_text_keeps_the_real_ids(mod
         await backend.close()
 
     asyncio.run(conversation())
+
+
+def test_a_reply_cut_inside_a_character_still_carries_its_ids(embedded):
+    """A length limit that falls inside a character's bytes: the stream never shows the cut character (its
+    detokenizer holds back a trailing U+FFFD), so the reply's text the next turn sends lacks it. The model's
+    ids are still its reply, and the next prompt (the same conversation, or a fork of it) carries them."""
+    from tuichat.backends.local import _Conversation, chat_text, next_prompt
+    from tuichat.engine.detok import IncrementalDetokenizer
+
+    tokenizer = embedded[3]
+    question = [Message("user", "Say café")]
+    prompt_text = chat_text(tokenizer, question)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    reply = tokenizer(" Sure: caf", add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("Ã")]
+    assert tokenizer.decode(reply).endswith("\ufffd")  # é's first byte alone
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    shown = "".join(detok.add(i) for i in reply)
+    assert shown == " Sure: caf"
+    messages = question + [Message("assistant", shown), Message("user", "And then?")]
+    ids, reused = next_prompt(tokenizer, _Conversation("m", prompt_text, 1, prompt_ids, reply), messages,
+                              chat_text(tokenizer, messages), eos_ids={tokenizer.eos_token_id})
+    assert reused == len(prompt_ids) + len(reply)
+    assert ids[:reused] == prompt_ids + reply

@@ -109,6 +109,12 @@ def chat_ids(tokenizer, messages: Sequence[Message]) -> list[int]:
     return tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
 
 
+def shown_text(tokenizer, reply: list[int]) -> str:
+    """A reply's text as its stream showed it, stripped: a character cut at the reply's end (a length limit
+    inside its bytes) decodes to U+FFFD, which the stream's detokenizer holds back and never shows."""
+    return tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd").strip()
+
+
 def next_prompt(tokenizer, previous: _Conversation | None, messages: Sequence[Message], rendered: str,
                 eos_ids) -> tuple[list[int], int]:
     """(the prompt ids for `rendered`, how many of them are the previous turn's real ids).
@@ -136,7 +142,7 @@ def next_prompt(tokenizer, previous: _Conversation | None, messages: Sequence[Me
     if reply and reply[-1] in eos_ids:
         reply.pop()  # the template writes the end of the turn itself; its tokens come from the tail below
     content = messages[previous.num_messages].content.strip()
-    if tokenizer.decode(reply, skip_special_tokens=True).strip() != content:
+    if shown_text(tokenizer, reply) != content:
         return ids, 0
     after = len(previous.prompt_text)
     start = rendered.find(content, after) if content else after
@@ -371,7 +377,7 @@ class LocalBackend:
             if (turn.model == name and turn.num_messages < len(messages) and rendered.startswith(turn.prompt_text)
                     and messages[turn.num_messages].role == "assistant"):
                 reply = [i for i in turn.completion_ids if i not in loaded.engine.eos_ids]
-                if loaded.tokenizer.decode(reply, skip_special_tokens=True).strip() == messages[turn.num_messages].content.strip():
+                if shown_text(loaded.tokenizer, reply) == messages[turn.num_messages].content.strip():
                     return turn
         return None
 
