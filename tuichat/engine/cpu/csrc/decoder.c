@@ -27,8 +27,14 @@
 
 #include "kernels.h"
 
+/* Whether a cheap pass over n elements (a norm, a residual add, the rotary) is shared by the threads: a prefill
+ * chunk's is (one thread running them alone left the other waiting), a decode's few rows stay on the calling
+ * thread, where entering a parallel region costs more than their work. */
+#define WORTH_THREADS(n) ((long)(n) >= 65536)
+
 /* transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16, times the weight, rounded. */
-static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps) {
+static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int rows, int width, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (WORTH_THREADS((long)rows * width))
     for (int t = 0; t < rows; t++) {
         const uint16_t *row = x + (long)t * width;
         vf squares = {};
@@ -40,7 +46,8 @@ static void rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, i
 }
 
 /* x (+)= y, rounded: the residual adds. */
-static void add_into(uint16_t *x, const uint16_t *y, long n) {
+static void add_into(uint16_t *x, const uint16_t *y, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (WORTH_THREADS(n))
     for (long i = 0; i < n; i += LANES) store_bf16(x + i, load_bf16(x + i) + load_bf16(y + i));
 }
 
@@ -48,18 +55,20 @@ static void add_into(uint16_t *x, const uint16_t *y, long n) {
  * one the file dequantizes to, so every activation stays fp32 (as llama.cpp keeps them) and the KV cache is
  * f16 (as llama.cpp's): a bf16 rounding of each linear's input before its int8 quantization, and a bf16 cache,
  * each measurably moved the replies further from float32's (scripts/fidelity.py). */
-static void rms_norm_f32(const float *x, const float *weight, float *out, int rows, int width, float eps) {
-    for (int t = 0; t < rows; t++) {
-        const float *row = x + (long)t * width;
-        vf squares = {};
-        for (int i = 0; i < width; i += LANES) { vf v = load_f32(row + i); squares += v * v; }
-        vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
-        for (int i = 0; i < width; i += LANES)
-            store_f32(out + (long)t * width + i, load_f32(row + i) * scale * load_f32(weight + i));
-    }
+static void norm_row_f32(const float *row, const float *weight, float *out, int width, float eps) {
+    vf squares = {};
+    for (int i = 0; i < width; i += LANES) { vf v = load_f32(row + i); squares += v * v; }
+    vf scale = splat(1.0f / sqrtf(hsum(squares) / width + eps));
+    for (int i = 0; i < width; i += LANES) store_f32(out + i, load_f32(row + i) * scale * load_f32(weight + i));
 }
 
-static void add_into_f32(float *x, const float *y, long n) {
+static void rms_norm_f32(const float *x, const float *weight, float *out, int rows, int width, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (WORTH_THREADS((long)rows * width))
+    for (int t = 0; t < rows; t++) norm_row_f32(x + (long)t * width, weight, out + (long)t * width, width, eps);
+}
+
+static void add_into_f32(float *x, const float *y, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (WORTH_THREADS(n))
     for (long i = 0; i < n; i += LANES) store_f32(x + i, load_f32(x + i) + load_f32(y + i));
 }
 
@@ -489,14 +498,15 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *p = layers + l;
         uint16_t *k_cache = p->k_cache, *v_cache = p->v_cache;
-        if (f32) rms_norm_f32(hidden, p->attn_norm, normed, rows, width, eps);
-        else rms_norm(hidden, p->attn_norm, normed, rows, width, eps);
+        if (f32) rms_norm_f32(hidden, p->attn_norm, normed, rows, width, eps, threads);
+        else rms_norm(hidden, p->attn_norm, normed, rows, width, eps, threads);
         const void *const qkv_parts[] = {p->qkv_w, p->k_w, p->v_w};
         const int32_t qkv_formats[] = {p->qkv_fmt, p->k_fmt, p->v_fmt};
         const int qkv_sizes[] = {p->k_w ? heads * dim : qkv_width, kv_heads * dim, kv_heads * dim};
         status = linear_parts(s, normed, qkv_parts, qkv_formats, qkv_sizes, p->k_w ? 3 : 1, p->qkv_b, qkv, rows,
                               qkv_width, width, threads, f32);
         if (status != 0) return status;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (WORTH_THREADS((long)rows * qkv_width))
         for (int t = 0; t < rows; t++) {
             const int32_t *table = tables + table_off[t];
             long slot = (long)table[pos[t] / block_size] * block_size + pos[t] % block_size, kv_width = (long)kv_heads * dim;
@@ -504,8 +514,9 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             const void *cos_l = p->local_rope ? cos_local : cos, *sin_l = p->local_rope ? sin_local : sin;
             if (f32) {
                 float *row = (float *)qkv + (long)t * qkv_width;
-                if (p->q_norm) rms_norm_f32(row, p->q_norm, row, heads, dim, eps);  /* in place: a head is a "row" */
-                if (p->k_norm) rms_norm_f32(row + (long)heads * dim, p->k_norm, row + (long)heads * dim, kv_heads, dim, eps);
+                for (int h = 0; p->q_norm && h < heads; h++) norm_row_f32(row + (long)h * dim, p->q_norm, row + (long)h * dim, dim, eps);
+                for (int h = heads; p->k_norm && h < heads + kv_heads; h++)  /* in place */
+                    norm_row_f32(row + (long)h * dim, p->k_norm, row + (long)h * dim, dim, eps);
                 for (int h = 0; h < heads + kv_heads; h++)
                     rotate_f32(row + (long)h * dim, (const float *)cos_l + at, (const float *)sin_l + at, dim);
                 for (long i = 0; i < kv_width; i += LANES) {
@@ -568,11 +579,11 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         }
         status = scratch_linear(s, attn, p->o_w, p->o_fmt, p->o_b, tmp, rows, width, heads * dim, heads * dim, width, threads, f32);
         if (status != 0) return status;
-        if (p->attn_post_norm) rms_norm_f32(tmp, p->attn_post_norm, tmp, rows, width, eps);
-        if (f32) add_into_f32(hidden, tmp, (long)rows * width);
-        else add_into(hidden, tmp, (long)rows * width);
-        if (f32) rms_norm_f32(hidden, p->mlp_norm, normed, rows, width, eps);
-        else rms_norm(hidden, p->mlp_norm, normed, rows, width, eps);
+        if (p->attn_post_norm) rms_norm_f32(tmp, p->attn_post_norm, tmp, rows, width, eps, threads);
+        if (f32) add_into_f32(hidden, tmp, (long)rows * width, threads);
+        else add_into(hidden, tmp, (long)rows * width, threads);
+        if (f32) rms_norm_f32(hidden, p->mlp_norm, normed, rows, width, eps, threads);
+        else rms_norm(hidden, p->mlp_norm, normed, rows, width, eps, threads);
         const void *const gate_up_parts[] = {p->gate_up_w, p->up_w};
         const int32_t gate_up_formats[] = {p->gate_up_fmt, p->up_fmt};
         const int gate_up_sizes[] = {p->up_w ? inter : 2 * inter, inter};
@@ -583,9 +594,9 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         else silu_mul(gate_up, gated, rows, inter, threads);
         status = scratch_linear(s, gated, p->down_w, p->down_fmt, p->down_b, tmp, rows, width, inter, inter, width, threads, f32);
         if (status != 0) return status;
-        if (p->mlp_post_norm) rms_norm_f32(tmp, p->mlp_post_norm, tmp, rows, width, eps);
-        if (f32) add_into_f32(hidden, tmp, (long)rows * width);
-        else add_into(hidden, tmp, (long)rows * width);
+        if (p->mlp_post_norm) rms_norm_f32(tmp, p->mlp_post_norm, tmp, rows, width, eps, threads);
+        if (f32) add_into_f32(hidden, tmp, (long)rows * width, threads);
+        else add_into(hidden, tmp, (long)rows * width, threads);
     }
     return 0;
 }
@@ -664,8 +675,8 @@ static int step(scratch *s, const step_args *a) {
     }
     if (!a->final_weight || !f32) return 0;
     for (int i = 0; i < a->samples; i++)
-        rms_norm_f32((const float *)a->hidden + (long)a->sample_rows[i] * width, a->final_weight,
-                     a->normed + (long)i * width, 1, width, a->final_eps);
+        norm_row_f32((const float *)a->hidden + (long)a->sample_rows[i] * width, a->final_weight,
+                     a->normed + (long)i * width, width, a->final_eps);
     if (!a->head || a->samples < 1) return 0;
     for (int at = 0; at < a->samples; at += 512) { /* the lm_head: logits [samples, vocab_out], fp32 */
         const int n = a->samples - at < 512 ? a->samples - at : 512;
