@@ -29,7 +29,8 @@ SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_
 HEADS = {
     "llama": {},  # 4 heads of 32 over 2 KV heads
     "qwen2": {},  # with q/k/v biases
-    "llama-d128-g1": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128),
+    # hidden 256: a 300-row prefill's norms and residual adds pass WORTH_THREADS and run on both threads
+    "llama-d128-g1": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=128, hidden_size=256),
     "mistral-d128-g4": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, sliding_window=None),
     "qwen2-d32-g8": dict(num_attention_heads=8, num_key_value_heads=1),
     "mistral-w16": dict(sliding_window=16),  # a window shorter than two of the prompts
