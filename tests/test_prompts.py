@@ -170,24 +170,47 @@ def test_a_stateless_client_resending_its_history_as_text_keeps_the_real_ids(mod
     asyncio.run(conversation())
 
 
-def test_a_reply_cut_inside_a_character_still_carries_its_ids(embedded):
-    """A length limit that falls inside a character's bytes: the stream never shows the cut character (its
-    detokenizer holds back a trailing U+FFFD), so the reply's text the next turn sends lacks it. The model's
-    ids are still its reply, and the next prompt (the same conversation, or a fork of it) carries them."""
-    from tuichat.backends.local import _Conversation, chat_text, next_prompt
-    from tuichat.engine.detok import IncrementalDetokenizer
+def test_a_reply_cut_inside_a_character_still_carries_its_ids(embedded, tmp_path):
+    """A length limit that falls inside a character's bytes: the stream never shows the cut character (the
+    detokenizer holds back a trailing U+FFFD), so the reply the next turn sends lacks it. The model's ids are
+    still its reply: the same conversation's next turn and a fork of it (a new id, the history as text) carry
+    them. A tiny Llama with SmolLM2's tokenizer, rigged so that greedy decoding writes "cat" then a character's
+    first byte, over and over: its layers add nothing to the residual stream (o_proj and down_proj zero), every
+    token but "cat" has one embedding, and the lm_head maps each embedding to the next token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = embedded[3]
-    question = [Message("user", "Say café")]
-    prompt_text = chat_text(tokenizer, question)
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    reply = tokenizer(" Sure: caf", add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("Ã")]
-    assert tokenizer.decode(reply).endswith("\ufffd")  # é's first byte alone
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    shown = "".join(detok.add(i) for i in reply)
-    assert shown == " Sure: caf"
-    messages = question + [Message("assistant", shown), Message("user", "And then?")]
-    ids, reused = next_prompt(tokenizer, _Conversation("m", prompt_text, 1, prompt_ids, reply), messages,
-                              chat_text(tokenizer, messages), eos_ids={tokenizer.eos_token_id})
-    assert reused == len(prompt_ids) + len(reply)
-    assert ids[:reused] == prompt_ids + reply
+    cat, lead = tokenizer.convert_tokens_to_ids("cat"), tokenizer.convert_tokens_to_ids("Ã")  # Ã: the byte 0xC3
+    assert tokenizer.convert_ids_to_tokens([cat, lead]) == ["cat", "Ã"]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.embed_tokens.weight[cat] = 0.0
+        model.model.embed_tokens.weight[cat, 1] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[cat, 0] = model.lm_head.weight[lead, 1] = 10.0
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    backend = BenchBackend(EngineOptions(dtype="float32"), default_model=str(tmp_path))
+
+    async def conversation():
+        question = [Message("user", "Say a word")]
+        events = [e async for e in backend.stream("c", question, SamplingParams(max_tokens=4, temperature=0))]
+        shown, history = "".join(e.text for e in events), backend.cached_token_ids("c")
+        assert history[-4:] == [cat, lead, cat, lead]
+        assert shown == "cat\ufffdcat"  # the lone byte inside the reply is shown, the one at its end is not
+        messages = question + [Message("assistant", shown), Message("user", "And then?")]
+        for conversation_id in ("a fork", "c"):  # the fork first: it continues c's last turn, which c's own would replace
+            async for _ in backend.stream(conversation_id, messages, SamplingParams(max_tokens=1, temperature=0)):
+                pass
+            assert backend.reused_tokens(conversation_id) == len(history), conversation_id
+        await backend.close()
+
+    asyncio.run(conversation())
