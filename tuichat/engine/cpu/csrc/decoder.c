@@ -514,9 +514,10 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
             const void *cos_l = p->local_rope ? cos_local : cos, *sin_l = p->local_rope ? sin_local : sin;
             if (f32) {
                 float *row = (float *)qkv + (long)t * qkv_width;
-                for (int h = 0; p->q_norm && h < heads; h++) norm_row_f32(row + (long)h * dim, p->q_norm, row + (long)h * dim, dim, eps);
-                for (int h = heads; p->k_norm && h < heads + kv_heads; h++)  /* in place */
-                    norm_row_f32(row + (long)h * dim, p->k_norm, row + (long)h * dim, dim, eps);
+                for (int h = 0; h < heads + kv_heads; h++) {  /* q/k norms, in place, a head at a time */
+                    const float *norm = h < heads ? p->q_norm : p->k_norm;
+                    if (norm) norm_row_f32(row + (long)h * dim, norm, row + (long)h * dim, dim, eps);
+                }
                 for (int h = 0; h < heads + kv_heads; h++)
                     rotate_f32(row + (long)h * dim, (const float *)cos_l + at, (const float *)sin_l + at, dim);
                 for (long i = 0; i < kv_width; i += LANES) {

@@ -1198,9 +1198,8 @@ static inline __attribute__((always_inline)) void kx_pass(const kx_block *x, lon
             __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[k][pr]), _mm512_mul_ps(dd, dx), _mm512_loadu_ps(at));
             if (q4) {
                 __m512i ms = _mm512_setzero_si512();
-                for (int j = 0; j < 4; j++)
-                    ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi64(kx_eight(mn[pr][j])),
-                                                                _mm512_load_si512(xt[k]->halves[j])));
+                for (int j = 0; j < 4; j++)  /* dpwssd: madd and its add in one (the same int32 sums) */
+                    ms = _mm512_dpwssd_epi32(ms, _mm512_set1_epi64(kx_eight(mn[pr][j])), _mm512_load_si512(xt[k]->halves[j]));
                 const __m512 ndd = _mm512_castsi512_ps(_mm512_set1_epi64(kx_eight(nd[pr])));
                 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(ndd, dx), o);
             }
