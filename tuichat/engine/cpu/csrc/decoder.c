@@ -113,17 +113,24 @@ static void rotate(uint16_t *head, const uint16_t *cos, const uint16_t *sin, int
 }
 
 /* s[0..n) <- exp(s - max s), in place, for n rounded up to LANES (the caller pads); returns the sum of the
- * first n (the caller scales once, at the end) and their max in *top_out. */
+ * first n (the caller scales once, at the end) and their max in *top_out. The max by two chains and a halving
+ * tree, vexp without its upper clamp (s - max <= 0): the same values, where one chain and a lane-by-lane max had
+ * made it latency-bound. */
 static float softmax_numerators(float *s, int n, float *top_out) {
-    int padded = (n + LANES - 1) / LANES * LANES;
-    for (int j = n; j < padded; j++) s[j] = -INFINITY;
-    vf top = splat(-INFINITY);
-    for (int j = 0; j < padded; j += LANES) { vf v = load_f32(s + j); top = pick(v > top, v, top); }
-    *top_out = hmax(top);
+    int padded = (n + LANES - 1) / LANES * LANES, j = 0;
+    for (int k = n; k < padded; k++) s[k] = -INFINITY;
+    vf top = splat(-INFINITY), other = top;
+    for (; j + 2 * LANES <= padded; j += 2 * LANES) {
+        vf v = load_f32(s + j), w = load_f32(s + j + LANES);
+        top = pick(v > top, v, top);
+        other = pick(w > other, w, other);
+    }
+    if (j < padded) { vf v = load_f32(s + j); top = pick(v > top, v, top); }
+    *top_out = hmax(pick(other > top, other, top));
     vf shift = splat(*top_out), total = {};
-    for (int j = 0; j < padded; j += LANES) {
-        vf p = vexp(load_f32(s + j) - shift);
-        p = pick(load_f32(s + j) == -INFINITY, splat(0.0f), p);
+    for (j = 0; j < padded; j += LANES) {
+        vf x = load_f32(s + j), p = vexp_clamped_below(x - shift);
+        p = pick(x == -INFINITY, splat(0.0f), p);
         store_f32(s + j, p);
         total += p;
     }
@@ -184,6 +191,105 @@ typedef struct {
 
 /* The key a block's positions past a task's last read: 0 in f16 and bf16 alike. */
 static const uint16_t zero_key[256];
+static const float zero_query[256];
+
+#if LANES == 16
+/* The keys of positions lo..n (lo a multiple of 16) of one KV head, widened to fp32 and laid 16 positions to a
+ * vector: kt[(j - lo) / 16][d][16]. Past n, 0. */
+static void transpose_keys(const uint16_t *k_head, const int32_t *table, int block_size, long stride, int lo, int n,
+                           int dim, int f32, float *kt) {
+    for (int j0 = lo; j0 < n; j0 += 16) {
+        const uint16_t *keys = k_head + slot_at(table, block_size, j0) * stride;
+        const int count = n - j0 < 16 ? n - j0 : 16;
+        for (int c = 0; c < dim / 16; c++) {
+            vf a[16], b[16];
+            for (int j = 0; j < 16; j++)
+                a[j] = j >= count ? splat(0.0f) : f32 ? load_f16(keys + (long)j * stride + 16 * c) : load_bf16(keys + (long)j * stride + 16 * c);
+            for (int i = 0; i < 16; i += 2) {
+                b[i] = __builtin_shufflevector(a[i], a[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+                b[i + 1] = __builtin_shufflevector(a[i], a[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+            }
+            for (int i = 0; i < 16; i += 4)
+                for (int k = 0; k < 2; k++) {
+                    a[i + 2 * k] = __builtin_shufflevector(b[i + k], b[i + k + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+                    a[i + 2 * k + 1] = __builtin_shufflevector(b[i + k], b[i + k + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+                }
+            for (int i = 0; i < 16; i += 8)
+                for (int k = 0; k < 4; k++) {
+                    b[i + k] = __builtin_shufflevector(a[i + k], a[i + k + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+                    b[i + k + 4] = __builtin_shufflevector(a[i + k], a[i + k + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+                }
+            for (int k = 0; k < 8; k++) {
+                a[k] = __builtin_shufflevector(b[k], b[k + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+                a[k + 8] = __builtin_shufflevector(b[k], b[k + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+            }
+            float *out = kt + (long)(j0 - lo) * dim + 16L * 16 * c;
+            for (int d = 0; d < 16; d++) store_f32(out + 16 * d, a[d]);
+        }
+    }
+}
+
+/* The scores of query heads q[0..heads) (fp32, dim each) against positions lo..n, their keys transposed at kt (from
+ * lo), times scale: head i's score of position j into dest[i][j], a block of 16 at a time where the block's first
+ * position lies in from[i]..to[i]. Keys in lanes: 16 positions' scores a vector, each lane's 16 chains of fmas
+ * over the dims (l, l + 16, ...) added in the order sum_each adds a key's lanes, so the same scores as the rows
+ * of keys give. 4 heads x 2 blocks x 2 chains a pass: each broadcast of a query's dim serves two blocks (one
+ * broadcast a fma was bound by the loads). */
+static inline __attribute__((always_inline)) void scores_transposed_shape(
+        const float *const *q, int heads, const float *kt, int lo, int n, const int dim, float scale,
+        float *const *dest, const int *from, const int *to) {
+    const int chunks = dim / 16;
+    for (int j0 = lo; j0 < n; j0 += 32) {
+        const float *keys[2] = {kt + (long)(j0 - lo) * dim, j0 + 16 < n ? kt + (long)(j0 + 16 - lo) * dim : kt + (long)(j0 - lo) * dim};
+        for (int m0 = 0; m0 < heads; m0 += 4) {
+            const float *qm[4];
+            for (int m = 0; m < 4; m++) qm[m] = m0 + m < heads ? q[m0 + m] : zero_query;
+            vf half[2][4], third[2][4], out[2][4], even[2][4];
+            for (int g = 0; g < 4; g++)
+                for (int pair = 0; pair < 2; pair++) {  /* lanes 4g + pair and 4g + pair + 2 */
+                    vf acc[2][4][2];
+                    for (int b = 0; b < 2; b++)
+                        for (int m = 0; m < 4; m++) acc[b][m][0] = acc[b][m][1] = splat(0.0f);
+                    for (int c = 0; c < chunks; c++)
+                        for (int e = 0; e < 2; e++) {
+                            const int d = 16 * c + 4 * g + pair + 2 * e;
+                            vf k0 = load_f32(keys[0] + 16 * d), k1 = load_f32(keys[1] + 16 * d);
+                            __asm__("" : "+v"(k0), "+v"(k1));  /* loaded once: GCC had folded them into every fma */
+                            for (int m = 0; m < 4; m++) {
+                                vf qd = splat(qm[m][d]);
+                                __asm__("" : "+v"(qd));
+                                acc[0][m][e] += qd * k0;
+                                acc[1][m][e] += qd * k1;
+                            }
+                        }
+                    for (int b = 0; b < 2; b++)
+                        for (int m = 0; m < 4; m++) {
+                            const vf x = acc[b][m][0] + acc[b][m][1];
+                            if (pair == 0) { even[b][m] = x; continue; }
+                            const vf a = even[b][m] + x;  /* (l0 + l2) + (l1 + l3) of the 4 lanes from 4g */
+                            if (g == 0) half[b][m] = a;
+                            else if (g == 1) half[b][m] += a;
+                            else if (g == 2) third[b][m] = a;
+                            else out[b][m] = half[b][m] + (third[b][m] + a);
+                        }
+                }
+            for (int b = 0; b < 2 && j0 + 16 * b < n; b++)
+                for (int m = 0; m < 4 && m0 + m < heads; m++)
+                    if (j0 + 16 * b >= from[m0 + m] && j0 + 16 * b < to[m0 + m])
+                        store_f32(dest[m0 + m] + j0 + 16 * b, out[b][m] * scale);
+        }
+    }
+}
+
+static void scores_transposed(const float *const *q, int heads, const float *kt, int lo, int n, int dim, float scale,
+                              float *const *dest, const int *from, const int *to) {
+    switch (dim) {
+        case 64: scores_transposed_shape(q, heads, kt, lo, n, 64, scale, dest, from, to); return;
+        case 128: scores_transposed_shape(q, heads, kt, lo, n, 128, scale, dest, from, to); return;
+        default: scores_transposed_shape(q, heads, kt, lo, n, dim, scale, dest, from, to);
+    }
+}
+#endif
 
 /* Up to R rows and one KV head: for each row, softmax(q k^T * scale) v for the `group` query heads that share
  * the head, over the row's positions, rounded once to bf16 (with f32: q and the result fp32, the cache f16,
@@ -191,7 +297,8 @@ static const uint16_t zero_key[256];
  * `partial` takes each head's max score, sum of numerators and unscaled weighted sum (dim + 2 floats a head),
  * for merge_partials. With AMX the scores come from tiles: 16 keys of one cache block are one A tile read in
  * place (they sit at a fixed stride), the group's queries, in pairs, the B tile; two blocks go at once, so one
- * block's multiply hides the other's latency (needs attention_tiles()). Without AMX, one vector dot product per
+ * block's multiply hides the other's latency (needs attention_tiles()). Given kt (a prefill's run of rows:
+ * transpose_keys' keys from position kt_lo), scores_transposed's keys in lanes. Else one vector dot product per
  * key and head, each key widened once for all the rows' heads. Softmax and the weighted sum of values run in
  * fp32. Each row's arithmetic is the same, in the same order, whichever rows share its task: that is what
  * keeps a reply independent of batching and chunking. work: 2 * group * SPLIT floats a row. Always inlined
@@ -200,7 +307,7 @@ static const uint16_t zero_key[256];
 static inline __attribute__((always_inline)) void attend_shape(
         const row_job *jobs, int R, const int RMAX, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         int block_size, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
-        const int f32) {
+        const int f32, const float *kt, int kt_lo) {
     const int chunks = dim / LANES;
     int lo = jobs[0].lo, n = jobs[0].n, padded[MOST_ROWS];
     float *scores[MOST_ROWS];
@@ -245,6 +352,24 @@ static inline __attribute__((always_inline)) void attend_shape(
             _mm512_storeu_ps(scores[r] + (long)h * padded[r] + j0,
                              _mm512_mul_ps(_mm512_i32gather_ps(by_head, by_key + (long)j0 * group + h, 4), _mm512_set1_ps(scale)));
     }
+    } else
+#endif
+#if LANES == 16
+    if (kt) {
+    const int all_heads = R * group;
+    float widened[f32 ? 1 : MOST_HEADS][f32 ? 1 : 256];
+    const float *qh[MOST_HEADS];
+    float *dest[MOST_HEADS];
+    int from[MOST_HEADS], to[MOST_HEADS];
+    for (int i = 0; i < all_heads; i++) {
+        const row_job *job = jobs + i / group;
+        dest[i] = scores[i / group] + (long)(i % group) * padded[i / group] - job->lo;
+        from[i] = job->lo, to[i] = job->n;
+        if (f32) { qh[i] = (const float *)job->q + (long)(i % group) * dim; continue; }
+        for (int c = 0; c < chunks; c++) store_f32(widened[i] + LANES * c, load_bf16((const uint16_t *)job->q + (long)(i % group) * dim + LANES * c));
+        qh[i] = widened[i];
+    }
+    scores_transposed(qh, all_heads, kt + (long)(lo - kt_lo) * dim, lo, n, dim, scale, dest, from, to);
     } else
 #endif
     {
@@ -299,14 +424,11 @@ static inline __attribute__((always_inline)) void attend_shape(
             inverse[r][h] = 1.0f / sum;
             if (jobs[r].partial) jobs[r].partial[(long)h * (dim + 2)] = top, jobs[r].partial[(long)h * (dim + 2) + 1] = sum;
         }
-    /* The weights position by position, each position's R x group side by side, so that one pointer reaches
-     * them all; a row's positions outside its own range are never read. */
+    /* Each head's weights where the softmax left them: weight[i][j], position j of query head i (row i / group). */
     const int heads_at_once = RMAX * group;
-    float *weights = work + (long)heads_at_once * SPLIT;
+    const float *weight[MOST_HEADS];
     for (int r = 0; r < RMAX && r < R; r++)
-        for (int h = 0; h < group; h++)
-            for (int j = jobs[r].lo; j < jobs[r].n; j++)
-                weights[(long)(j - lo) * heads_at_once + r * group + h] = scores[r][(long)h * padded[r] + (j - jobs[r].lo)];
+        for (int h = 0; h < group; h++) weight[r * group + h] = scores[r] + (long)h * padded[r] - jobs[r].lo;
     int all_from = lo, all_to = R == RMAX ? n : lo;  /* where every row of the task takes part */
     for (int r = 0; r < RMAX && r < R; r++) {
         all_from = jobs[r].lo > all_from ? jobs[r].lo : all_from;
@@ -314,7 +436,8 @@ static inline __attribute__((always_inline)) void attend_shape(
     }
     /* The weighted sum in passes over a few chunks of the dims, so that a pass's R x group x few accumulators
      * stay in registers (all of them at once spilled: a load and a store per fma); each accumulator still adds
-     * its row's positions in order. */
+     * its row's positions in order. Where every row takes part, a loop without the rows' bounds: the checks
+     * in the loop had cost a third of its time. */
     const int few = 16 / heads_at_once > 4 ? 4 : 16 / heads_at_once < 1 ? 1 : 16 / heads_at_once;
     for (int c0 = 0; c0 < chunks; c0 += few) {
         vf part[MOST_ROWS][8][4];
@@ -324,19 +447,25 @@ static inline __attribute__((always_inline)) void attend_shape(
         for (int j0 = lo; j0 < n; j0 += 16) {  /* a block's 16 positions at a time: no division per position */
             const uint16_t *values = v_head + slot_at(table, block_size, j0) * stride + LANES * c0;
             if (c0 == 0 && j0 + 16 < n) PREFETCH_BLOCK(v_head, slot_at(table, block_size, j0 + 16), stride, dim, 3)
-            const int end = n < j0 + 16 ? n : j0 + 16, every = j0 >= all_from && end <= all_to;
-            for (int j = j0; j < end; j++) {
-                vf vv[4];
-                for (int c = 0; c < few && c0 + c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
-                const float *w = weights + (long)(j - lo) * heads_at_once;
-                for (int r = 0; r < RMAX; r++) {
-                    if (!every && (r >= R || j < jobs[r].lo || j >= jobs[r].n)) continue;
-                    for (int h = 0; h < group; h++) {
-                        vf weight = splat(w[r * group + h]);
-                        for (int c = 0; c < few && c0 + c < chunks; c++) part[r][h][c] += weight * vv[c];
+            const int end = n < j0 + 16 ? n : j0 + 16;
+            if (j0 >= all_from && end <= all_to)
+                for (int j = j0; j < end; j++) {
+                    vf vv[4];
+                    for (int c = 0; c < few && c0 + c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
+                    for (int r = 0; r < RMAX; r++)
+                        for (int h = 0; h < group; h++)
+                            for (int c = 0; c < few && c0 + c < chunks; c++) part[r][h][c] += splat(weight[r * group + h][j]) * vv[c];
+                }
+            else
+                for (int j = j0; j < end; j++) {
+                    vf vv[4];
+                    for (int c = 0; c < few && c0 + c < chunks; c++) vv[c] = LOAD_KV(values + (j - j0) * stride + LANES * c);
+                    for (int r = 0; r < RMAX && r < R; r++) {
+                        if (j < jobs[r].lo || j >= jobs[r].n) continue;
+                        for (int h = 0; h < group; h++)
+                            for (int c = 0; c < few && c0 + c < chunks; c++) part[r][h][c] += splat(weight[r * group + h][j]) * vv[c];
                     }
                 }
-            }
         }
         for (int r = 0; r < RMAX && r < R; r++)
             for (int h = 0; h < group; h++)
@@ -367,10 +496,10 @@ static void merge_partials(const float *partial, long step, int parts, int dim, 
 
 static void attend(const row_job *jobs, int rows, const uint16_t *k_cache, const uint16_t *v_cache,
                    const int32_t *table, int block_size, int kv_heads, int kv_head, int group, int dim, float scale,
-                   float *work, int f32) {
+                   float *work, int f32, const float *kt, int kt_lo) {
 #define SHAPE(G, D, F) case F * 100000 + G * 1000 + D:                                                       \
-    if (rows == 1) attend_shape(jobs, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F); \
-    else attend_shape(jobs, rows, ROWS_AT_ONCE(G), k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F); \
+    if (rows == 1) attend_shape(jobs, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F, kt, kt_lo); \
+    else attend_shape(jobs, rows, ROWS_AT_ONCE(G), k_cache, v_cache, table, block_size, kv_heads, kv_head, G, D, scale, work, F, kt, kt_lo); \
     return;
 #define SHAPES(F) SHAPE(1, 64, F) SHAPE(2, 64, F) SHAPE(3, 64, F) SHAPE(4, 64, F) SHAPE(5, 64, F) SHAPE(6, 64, F) \
     SHAPE(7, 64, F) SHAPE(8, 64, F) SHAPE(1, 128, F) SHAPE(2, 128, F) SHAPE(3, 128, F) SHAPE(4, 128, F) SHAPE(5, 128, F) \
@@ -379,8 +508,8 @@ static void attend(const row_job *jobs, int rows, const uint16_t *k_cache, const
         SHAPES(0) SHAPES(1) SHAPE(1, 256, 1) SHAPE(2, 256, 1) SHAPE(4, 256, 1)  /* Gemma 3's heads */
         default:  /* one row at a time: R is what sizes the arrays */
             for (int r = 0; r < rows; r++) {
-                if (f32) attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 1);
-                else attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 0);
+                if (f32) attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 1, kt, kt_lo);
+                else attend_shape(jobs + r, 1, 1, k_cache, v_cache, table, block_size, kv_heads, kv_head, group, dim, scale, work, 0, kt, kt_lo);
             }
     }
 #undef SHAPES
@@ -431,6 +560,52 @@ static int linear_parts(scratch *s, const void *x, const void *const *weights, c
     return 0;
 }
 
+/* A prefill's rows attend to the same keys: from KT_ROWS consecutive rows of one sequence, a task takes up to
+ * KT_RUN of them against one part and KV head, and transposes those keys once for all of them (attend_shape's
+ * keys in lanes). AVX-512 only; with AMX, bf16 has its tiles. */
+#define KT_ROWS 16
+#define KT_RUN 64
+static int keys_transposed(int f32) {
+#if LANES != 16
+    (void)f32;
+    return 0;
+#elif defined(__AMX_TILE__)
+    return f32;
+#else
+    (void)f32;
+    return 1;
+#endif
+}
+
+typedef struct {
+    int32_t row, rows, part, head; /* head -1: all the KV heads */
+} attn_task;
+
+/* Attention tasks over blocks of rows: consecutive rows of one sequence at consecutive positions, up to
+ * ROWS_AT_ONCE(group) (each other row a block of its own), or a run for transposed keys (above). A block within
+ * one part (up to SPLIT positions), a task per KV head; a longer one, a task per part, all its KV heads (one
+ * thread then reads the part's cache blocks whole, where their heads lie side by side), each of its rows that
+ * reach past one part keeping each part's partial results (dim + 2 floats a query head) for merging; a run, a
+ * task per part and KV head. How the work is cut into tasks never changes what is computed for a row. The
+ * tasks into plan, or only counted where plan is NULL; their number. */
+static long plan_attention(const int32_t *pos, const int32_t *table_off, int rows, int kv_heads, int at_once,
+                           int kt_rows, attn_task *plan) {
+    long used = 0;
+    for (int t = 0; t < rows;) {
+        int size = 1;
+        while (t + size < rows && size < KT_RUN && table_off[t + size] == table_off[t] && pos[t + size] == pos[t] + size) size++;
+        const int run = size >= kt_rows;
+        if (!run && size > at_once) size = at_once;
+        const int parts = pos[t + size - 1] / SPLIT + 1, count = run ? parts * kv_heads : parts > 1 ? parts : kv_heads;
+        for (int i = 0; plan && i < count; i++)
+            plan[used + i] = run ? (attn_task){t, size, i / kv_heads, i % kv_heads}
+                                 : (attn_task){t, size, parts > 1 ? i : 0, parts > 1 ? -1 : i};
+        used += count;
+        t += size;
+    }
+    return used;
+}
+
 /* hidden [rows, width] (the embeddings in, the last layer's output out) and cos/sin: bf16, rounded where
  * transformers rounds, or with `f32` fp32, every activation unrounded, the norms' weights fp32 and the cache f16
  * (see rms_norm_f32); cos/sin hold a row per position (row t reads pos[t]'s) where by_position, else one per
@@ -449,46 +624,29 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         if (tables[i] < 0 || tables[i] >= num_blocks) return -3;
     for (int t = 0; t < rows; t++)
         if (pos[t] < 0 || table_off[t] < 0 || (long)table_off[t] + pos[t] / block_size >= tables_len) return -3;
-    /* Attention tasks over blocks of rows: consecutive rows of one sequence at consecutive positions, up to
-     * ROWS_AT_ONCE(group) (each other row a block of its own). A block within one part (up to SPLIT
-     * positions), a task per KV head; a longer one, a task per part, all its KV heads (one thread then reads
-     * the part's cache blocks whole, where their heads lie side by side), each of its rows that reach past
-     * one part keeping each part's partial results (dim + 2 floats a query head) for merging. How the work is
-     * cut into tasks never changes what is computed for a row. */
-    const int at_once = ROWS_AT_ONCE(group);
-    long tasks = 0, partial_floats = 0;  /* tasks: a bound, each row counted as if a block of its own */
-    for (int t = 0; t < rows; t++) {
-        long parts = pos[t] / SPLIT + 1;
-        tasks += parts > kv_heads ? parts : kv_heads;
-        if (parts > 1) partial_floats += parts * heads * (dim + 2);
-    }
-    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t), per_thread = (size_t)2 * group * SPLIT * at_once;
+    const int at_once = ROWS_AT_ONCE(group), kt_rows = keys_transposed(f32) ? KT_ROWS : rows + 1;
+    long partial_floats = 0;
+    for (int t = 0; t < rows; t++)
+        if (pos[t] >= SPLIT) partial_floats += (long)(pos[t] / SPLIT + 1) * heads * (dim + 2);
+    const long tasks = plan_attention(pos, table_off, rows, kv_heads, at_once, kt_rows, NULL);
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t per_thread = (size_t)2 * group * SPLIT * at_once + (kt_rows <= rows ? (size_t)SPLIT * dim : 0);
     const size_t counts[] = {(size_t)rows * width, (size_t)rows * width, (size_t)rows * qkv_width,
                              (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
-    size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(int32_t) * (4 * tasks + rows);
+    size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(attn_task) * tasks + sizeof(int32_t) * rows;
     for (int i = 0; i < 6; i++) need += (counts[i] * elem + 63) / 64 * 64;
     char *buffers[6], *next = scratch_reserve(s, SCRATCH_DECODER, need);
     if (!next) return -2;
     for (int i = 0; i < 6; i++) { buffers[i] = next; next += (counts[i] * elem + 63) / 64 * 64; }
     void *normed = buffers[0], *tmp = buffers[1], *qkv = buffers[2], *attn = buffers[3], *gate_up = buffers[4], *gated = buffers[5];
     float *work = (float *)next, *partials = work + (size_t)threads * per_thread;
-    int32_t *task_row = (int32_t *)(partials + partial_floats), *task_rows = task_row + tasks;
-    int32_t *task_part = task_rows + tasks, *task_head = task_part + tasks, *partial_at = task_head + tasks;  /* task_head -1: all */
-    long used = 0;
-    for (int t = 0, at = 0; t < rows;) {
-        int size = 1;
-        while (t + size < rows && size < at_once && table_off[t + size] == table_off[t] && pos[t + size] == pos[t] + size) size++;
-        for (int i = 0; i < size; i++) {
-            int parts = pos[t + i] / SPLIT + 1;
-            partial_at[t + i] = parts > 1 ? at : -1;
-            at += parts > 1 ? parts * heads * (dim + 2) : 0;
-        }
-        int parts = pos[t + size - 1] / SPLIT + 1;
-        for (int i = 0; i < (parts > 1 ? parts : kv_heads); i++, used++)
-            task_row[used] = t, task_rows[used] = size, task_part[used] = parts > 1 ? i : 0, task_head[used] = parts > 1 ? -1 : i;
-        t += size;
+    attn_task *plan = (attn_task *)(partials + partial_floats);
+    int32_t *partial_at = (int32_t *)(plan + tasks);  /* a row's partials, or -1 where it lies within one part */
+    plan_attention(pos, table_off, rows, kv_heads, at_once, kt_rows, plan);
+    for (int t = 0, at = 0; t < rows; t++) {
+        partial_at[t] = pos[t] >= SPLIT ? at : -1;
+        at += pos[t] >= SPLIT ? (pos[t] / SPLIT + 1) * heads * (dim + 2) : 0;
     }
-    tasks = used;
     int status;
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *p = layers + l;
@@ -537,34 +695,45 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
 #ifdef __AMX_TILE__
             if (!f32) attention_tiles(group);
 #endif
-            float *mine = work + (size_t)omp_get_thread_num() * per_thread;
+            float *mine = work + (size_t)omp_get_thread_num() * per_thread, *transposed = mine + (size_t)2 * group * SPLIT * at_once;
             #pragma omp for schedule(dynamic)
             for (long task = 0; task < tasks; task++) {
-                const int c = task_part[task];
-                for (int g = task_head[task] < 0 ? 0 : task_head[task]; g < (task_head[task] < 0 ? kv_heads : task_head[task] + 1); g++) {
-                    row_job jobs[MOST_ROWS];
-                    int count = 0;
-                    for (int t = task_row[task]; t < task_row[task] + task_rows[task]; t++) {
-                        if (pos[t] < c * SPLIT) continue;  /* this part lies past the row */
-                        const int end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
-                        /* A window's first position; a part wholly before it adds nothing (an empty partial). */
-                        const int first = p->window && pos[t] >= p->window ? pos[t] + 1 - p->window : 0;
-                        const int lo = c * SPLIT > (first & ~15) ? c * SPLIT : first & ~15;
-                        float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
-                        if (end <= first) {  /* only where parts > 1: the part holding pos[t] is never empty */
-                            for (int h = 0; h < group; h++) {
-                                float *empty = partial + (long)h * (dim + 2);
-                                empty[0] = -INFINITY, empty[1] = 0.0f;
-                                memset(empty + 2, 0, sizeof(float) * dim);
-                            }
-                            continue;
-                        }
-                        jobs[count++] = (row_job){(const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
-                                                  (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem,
-                                                  partial, lo, first, end};
+                const attn_task *a = plan + task;
+                const int c = a->part, last = a->row + a->rows - 1;
+                const int32_t *table = tables + table_off[a->row];
+                for (int g = a->head < 0 ? 0 : a->head; g < (a->head < 0 ? kv_heads : a->head + 1); g++) {
+                    const float *kt = NULL;
+#if LANES == 16
+                    if (a->rows >= kt_rows) {
+                        const int end = c * SPLIT + SPLIT < pos[last] + 1 ? c * SPLIT + SPLIT : pos[last] + 1;
+                        transpose_keys(k_cache + (long)g * dim, table, block_size, (long)kv_heads * dim, c * SPLIT, end, dim, f32, transposed);
+                        kt = transposed;
                     }
-                    const int32_t *table = tables + table_off[task_row[task]];
-                    if (count) attend(jobs, count, k_cache, v_cache, table, block_size, kv_heads, g, group, dim, scale, mine, f32);
+#endif
+                    for (int t0 = a->row; t0 <= last; t0 += at_once) {
+                        row_job jobs[MOST_ROWS];
+                        int count = 0;
+                        for (int t = t0; t < t0 + at_once && t <= last; t++) {
+                            if (pos[t] < c * SPLIT) continue;  /* this part lies past the row */
+                            const int end = c * SPLIT + SPLIT < pos[t] + 1 ? c * SPLIT + SPLIT : pos[t] + 1;
+                            /* A window's first position; a part wholly before it adds nothing (an empty partial). */
+                            const int first = p->window && pos[t] >= p->window ? pos[t] + 1 - p->window : 0;
+                            const int lo = c * SPLIT > (first & ~15) ? c * SPLIT : first & ~15;
+                            float *partial = partial_at[t] < 0 ? NULL : partials + partial_at[t] + ((long)c * heads + g * group) * (dim + 2);
+                            if (end <= first) {  /* only where parts > 1: the part holding pos[t] is never empty */
+                                for (int h = 0; h < group; h++) {
+                                    float *empty = partial + (long)h * (dim + 2);
+                                    empty[0] = -INFINITY, empty[1] = 0.0f;
+                                    memset(empty + 2, 0, sizeof(float) * dim);
+                                }
+                                continue;
+                            }
+                            jobs[count++] = (row_job){(const char *)qkv + ((long)t * qkv_width + (long)g * group * dim) * elem,
+                                                      (char *)attn + ((long)t * heads * dim + (long)g * group * dim) * elem,
+                                                      partial, lo, first, end};
+                        }
+                        if (count) attend(jobs, count, k_cache, v_cache, table, block_size, kv_heads, g, group, dim, scale, mine, f32, kt, c * SPLIT);
+                    }
                 }
             }
             #pragma omp for schedule(static)

@@ -93,6 +93,7 @@ static inline float bf16_to_float(uint16_t h) {
 
 /* The sum of one vector's lanes, by halving: a fixed order, in ~log2(LANES) steps instead of LANES. */
 typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
 static inline float hsum(vf v) {
 #if LANES == 16
     vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -131,16 +132,23 @@ static inline vf sum_each(const vf *v) {
 #endif
 }
 
+/* The largest lane, by a halving tree (a max is exact: any order gives the same). */
 static inline float hmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
+#if LANES == 16
+    vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), l = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    h = (vf8)(((vi8)h & (h > l)) | ((vi8)l & ~(h > l)));
+#else
+    vf8 h = v;
+#endif
+    float m[4];
+    for (int i = 0; i < 4; i++) m[i] = h[i] > h[i + 4] ? h[i] : h[i + 4];
+    float a = m[0] > m[1] ? m[0] : m[1], b = m[2] > m[3] ? m[2] : m[3];
+    return a > b ? a : b;
 }
 
-/* e^x within ~2 ulp for x in [-87.3, 88.7] (clamped there): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2. */
-static inline vf vexp(vf x) {
+/* e^x within ~2 ulp for x in [-87.3, 0] (clamped below): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2. */
+static inline vf vexp_clamped_below(vf x) {
     x = pick(x < -87.3f, splat(-87.3f), x);
-    x = pick(x > 88.7f, splat(88.7f), x);
     vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 drops the fraction */
     vf r = x - n * 0.693145752f;
     r = r - n * 1.42860677e-6f;
@@ -154,6 +162,9 @@ static inline vf vexp(vf x) {
     p = p * r + 1.0f;
     return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
+
+/* e^x within ~2 ulp for x in [-87.3, 88.7] (clamped there). */
+static inline vf vexp(vf x) { return vexp_clamped_below(pick(x > 88.7f, splat(88.7f), x)); }
 
 #ifdef __AMX_TILE__
 #include <immintrin.h>
