@@ -273,6 +273,7 @@ int pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
     const int scale = format == FMT_Q4_K_32 || format == FMT_Q5_K_32 ? 4 : 2;
     const int head = k || format == FMT_Q4_1 ? 2 * scale : 2;
     const int quants = byte_quants(format) ? 512 : 256, out_bytes = tiled_block_bytes(format);
+    const uint32_t flip = format == FMT_Q8_0 ? 0x80808080u : 0;  /* Q8_0's int8 + 128, dpbusd's unsigned side */
     #pragma omp parallel for schedule(static)  /* a load packs hundreds of MB: both cores */
     for (int t = 0; t < N / TILED_ROWS; t++)
         for (int b = 0; b < blocks; b++) {
@@ -281,9 +282,12 @@ int pack_tiles(const uint8_t *src, int format, int N, int K, uint8_t *dst) {
                 const uint8_t *block = src + ((long)(t * TILED_ROWS + r) * blocks + b) * bytes;
                 memcpy(out + quants + scale * r, block, scale);
                 if (head > scale) memcpy(out + quants + 16 * scale + scale * r, block + scale, scale);
-                for (int i = 0; i < bytes - head; i++)  /* quant byte i: vector i / 4, lane r, byte i % 4 */
-                    out[64 * (i / 4) + 4 * r + i % 4] = format == FMT_Q8_0 ? (uint8_t)(block[head + i] ^ 0x80)
-                                                                           : block[head + i];
+                for (int i = 0; i < bytes - head; i += 4) {  /* quant bytes i..i+3: vector i / 4, lane r */
+                    uint32_t four;
+                    memcpy(&four, block + head + i, 4);
+                    four ^= flip;
+                    memcpy(out + 16 * i + 4 * r, &four, 4);
+                }
             }
         }
     return 0;
