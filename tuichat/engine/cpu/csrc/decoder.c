@@ -191,9 +191,10 @@ typedef struct {
 
 /* The key a block's positions past a task's last read: 0 in f16 and bf16 alike. */
 static const uint16_t zero_key[256];
-static const float zero_query[256];
 
 #if LANES == 16
+static const float zero_query[256];  /* the query of a pass's heads past a task's */
+
 /* The keys of positions lo..n (lo a multiple of 16) of one KV head, widened to fp32 and laid 16 positions to a
  * vector: kt[(j - lo) / 16][d][16]. Past n, 0. */
 static void transpose_keys(const uint16_t *k_head, const int32_t *table, int block_size, long stride, int lo, int n,
@@ -695,7 +696,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
 #ifdef __AMX_TILE__
             if (!f32) attention_tiles(group);
 #endif
-            float *mine = work + (size_t)omp_get_thread_num() * per_thread, *transposed = mine + (size_t)2 * group * SPLIT * at_once;
+            float *mine = work + (size_t)omp_get_thread_num() * per_thread;
             #pragma omp for schedule(dynamic)
             for (long task = 0; task < tasks; task++) {
                 const attn_task *a = plan + task;
@@ -706,6 +707,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
 #if LANES == 16
                     if (a->rows >= kt_rows) {
                         const int end = c * SPLIT + SPLIT < pos[last] + 1 ? c * SPLIT + SPLIT : pos[last] + 1;
+                        float *transposed = mine + (size_t)2 * group * SPLIT * at_once;  /* past attend's work */
                         transpose_keys(k_cache + (long)g * dim, table, block_size, (long)kv_heads * dim, c * SPLIT, end, dim, f32, transposed);
                         kt = transposed;
                     }
