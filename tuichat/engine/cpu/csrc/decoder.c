@@ -302,9 +302,10 @@ static void scores_transposed(const float *const *q, int heads, const float *kt,
  * transpose_keys' keys from position kt_lo), scores_transposed's keys in lanes. Else one vector dot product per
  * key and head, each key widened once for all the rows' heads. Softmax and the weighted sum of values run in
  * fp32. Each row's arithmetic is the same, in the same order, whichever rows share its task: that is what
- * keeps a reply independent of batching and chunking. work: 2 * group * SPLIT floats a row. Always inlined
- * into attend(), which fixes group, dim and R so that the accumulators live in registers; each of those
- * shapes costs compile time, paid once per machine. */
+ * keeps a reply independent of batching and chunking. work: group * SPLIT floats a row (its scores), and with
+ * AMX group * SPLIT more (the tiles' stores, a row at a time). Always inlined into attend(), which fixes group,
+ * dim and R so that the accumulators live in registers; each of those shapes costs compile time, paid once per
+ * machine. */
 static inline __attribute__((always_inline)) void attend_shape(
         const row_job *jobs, int R, const int RMAX, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
         int block_size, int kv_heads, int kv_head, const int group, const int dim, float scale, float *work,
@@ -631,7 +632,8 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
         if (pos[t] >= SPLIT) partial_floats += (long)(pos[t] / SPLIT + 1) * heads * (dim + 2);
     const long tasks = plan_attention(pos, table_off, rows, kv_heads, at_once, kt_rows, NULL);
     const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
-    const size_t per_thread = (size_t)2 * group * SPLIT * at_once + (kt_rows <= rows ? (size_t)SPLIT * dim : 0);
+    const size_t attend_floats = (size_t)group * SPLIT * (at_once + 1);  /* attend_shape's work */
+    const size_t per_thread = attend_floats + (kt_rows <= rows ? (size_t)SPLIT * dim : 0);
     const size_t counts[] = {(size_t)rows * width, (size_t)rows * width, (size_t)rows * qkv_width,
                              (size_t)rows * heads * dim, (size_t)rows * 2 * inter, (size_t)rows * inter};
     size_t need = sizeof(float) * ((size_t)threads * per_thread + partial_floats) + sizeof(attn_task) * tasks + sizeof(int32_t) * rows;
@@ -707,7 +709,7 @@ static int decoder_layers(scratch *s, void *hidden, int f32, const void *cos, co
 #if LANES == 16
                     if (a->rows >= kt_rows) {
                         const int end = c * SPLIT + SPLIT < pos[last] + 1 ? c * SPLIT + SPLIT : pos[last] + 1;
-                        float *transposed = mine + (size_t)2 * group * SPLIT * at_once;  /* past attend's work */
+                        float *transposed = mine + attend_floats;
                         transpose_keys(k_cache + (long)g * dim, table, block_size, (long)kv_heads * dim, c * SPLIT, end, dim, f32, transposed);
                         kt = transposed;
                     }
