@@ -18,12 +18,12 @@
  *   per thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
  *   their bytes, so that every weight vector meets its inputs with one load. The integers are kept until the
  *   tile's end, whose fmas run on its 4 weight rows at once (kq_fmas).
- * - lanes (5 to 64 input rows: tabs decoding together, speculation's verify rows; 512-bit VNNI builds): a lane
- *   per input row and weight row of a pair, each two rows' 4 weights broadcast against 8 rows' inputs at once
- *   (kx_tile below).
- * - a GEMM (more rows: prefill): 16 weight rows are unpacked per super-block (loads and transposes) into one
- *   vector per 4 weights (a lane per row), which each input row meets with dpbusd: 64 products an instruction,
- *   the 16 rows' fp32 sums in the lanes.
+ * - lanes (5 to 8 input rows of Q4_K, to 32 of Q6_K: tabs decoding together, speculation's verify rows; 512-bit
+ *   VNNI builds): a lane per input row and weight row of a pair, each two rows' 4 weights broadcast against 8
+ *   rows' inputs at once (kx_tile below).
+ * - a GEMM (more rows: prefill): 32 weight rows (two groups of 16) are unpacked per super-block (loads and
+ *   transposes) into one vector per 4 weights and group (a lane per row), which each input row meets with dpbusd:
+ *   64 products an instruction, a group's 16 fp32 sums in the lanes.
  * AVX2 builds (256-bit, no VNNI) have the rows kernel (up to 8 input rows a pass) and a GEMM of 16 weight rows
  * in two groups of 8 (maddubs and madd; Q4_K from 5 input rows, Q5_K from 16, Q6_K from 24), no lanes kernel.
  * A row's outputs are thus the same whatever its batch, and whichever kernel ran it. */
@@ -631,9 +631,10 @@ static inline __attribute__((always_inline)) void kquant_tile(const uint8_t *w, 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define KG_ROWS 16  /* weight rows per GEMM tile: a lane each */
-#define KG_MR 8     /* input rows per pass over an unpacked super-block: Zen 5 runs two 512-bit dpbusd a cycle, and
-                     * 16 chains (8 rows) kept it busier than 8 (docs/design/kernels.md) */
+#define KG_GROUP 16 /* weight rows per group: a lane each */
+#define KG_GROUPS 2 /* groups per GEMM tile: each input broadcast, loaded once, meets both (docs/design/kernels.md) */
+#define KG_ROWS (KG_GROUP * KG_GROUPS)
+#define KG_MR 6     /* input rows per pass over an unpacked super-block: 12 dpbusd chains for Zen 5's two pipes */
 #define KG_AHEAD 4  /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5 /* input rows from which the GEMM beats the row tiles where the lanes kernel is not built */
 #define KG_MIN_M_Q5 KG_MIN_M
@@ -648,6 +649,9 @@ typedef struct {
     __m512i sc[16];
     __m512i mn[8];
     __m512 d, ndmin;
+} kg_half;
+typedef struct {
+    kg_half g[KG_GROUPS];
 } kg_block;
 
 /* 32 bytes at `at` of each of 16 rows (row_bytes apart) as 8 vectors: vector v, lane r = the row's dword v. Two
@@ -677,7 +681,7 @@ static inline void transpose_16x8(const uint8_t *at, long row_bytes, __m512i out
 
 static inline __m512i byte_of(__m512i v, int k) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff)); }
 
-static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
+static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half *u) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)row_bytes));
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
@@ -750,33 +754,45 @@ static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *x) {
 
 /* Input rows a[0..mr-1] (consecutive in the GEMM's block-major layout: one base register, constant offsets, where
  * a pointer a row had cost ~25 instructions a pass to set up) against an unpacked super-block: each row's S and Ms,
- * 16 rows' at once, and the two fmas of every output (out: 16 floats per input row). One dpbusd chain a row: at 8
- * rows that is 8 chains, enough to keep both pipes busy, and a second chain a row cost an add and a zeroing per
- * sub-block (docs/design/kernels.md). Q6_K's -32 comes out of S once per super-block (32 * the scales times the
- * inputs' sums of 16, in int16 pairs), not once per 16 weights. */
+ * 32 rows' at once, and the two fmas of every output (out: 32 floats per input row). Each 4 inputs are broadcast
+ * into a register once for both groups (a dpbusd with its broadcast from memory cost a load each: loads, not
+ * multiplies, bound the 16-row tile). One dpbusd chain a row and group: 12 at 6 rows. Q6_K's -32 comes out of S
+ * once per super-block (32 * the scales times the inputs' sums of 16, in int16 pairs), not once per 16 weights. */
 static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int q4, const q8_block *a,
                                                           const int mr, float *out) {
-    __m512i S[KG_MR];
-    for (int j = 0; j < mr; j++) S[j] = _mm512_setzero_si512();
+    __m512i S[KG_MR][KG_GROUPS];
+    for (int j = 0; j < mr; j++)
+        for (int h = 0; h < KG_GROUPS; h++) S[j][h] = _mm512_setzero_si512();
     for (int g = 0; g < (q4 ? 8 : 16); g++) {
         const int blk = q4 ? g : g / 2, v0 = q4 ? 0 : 4 * (g & 1), v1 = q4 ? 8 : v0 + 4;
         const int at = q4 ? 32 * Q4_K_ORDER[blk] : 32 * blk;
-        __m512i dot[KG_MR];
-        for (int j = 0; j < mr; j++) dot[j] = _mm512_setzero_si512();
+        __m512i dot[KG_MR][KG_GROUPS];
+        for (int j = 0; j < mr; j++)
+            for (int h = 0; h < KG_GROUPS; h++) dot[j][h] = _mm512_setzero_si512();
         for (int v = v0; v < v1; v++)
-            for (int j = 0; j < mr; j++) dot[j] = dpbusd_bcast(dot[j], u->w[blk][v], a[j].q + at + 4 * v);
-        for (int j = 0; j < mr; j++) S[j] = _mm512_add_epi32(S[j], _mm512_mullo_epi32(dot[j], u->sc[g]));
+            for (int j = 0; j < mr; j++) {
+                int32_t four;
+                memcpy(&four, a[j].q + at + 4 * v, 4);
+                const __m512i x = _mm512_set1_epi32(four);
+                for (int h = 0; h < KG_GROUPS; h++) dot[j][h] = _mm512_dpbusd_epi32(dot[j][h], u->g[h].w[blk][v], x);
+            }
+        for (int j = 0; j < mr; j++)
+            for (int h = 0; h < KG_GROUPS; h++)
+                S[j][h] = _mm512_add_epi32(S[j][h], _mm512_mullo_epi32(dot[j][h], u->g[h].sc[g]));
     }
     for (int j = 0; j < mr; j++) {
         const __m512 dx = _mm512_set1_ps(a[j].d);
-        __m512 o = _mm512_loadu_ps(out + 16 * j);
-        __m512i ms = _mm512_setzero_si512();
-        for (int k = 0; k < (q4 ? 4 : 8); k++)
-            ms = dpwssd_bcast(ms, u->mn[k], q4 ? a[j].halves + 2 * k : a[j].sums + 2 * k);
-        if (!q4) S[j] = _mm512_sub_epi32(S[j], _mm512_slli_epi32(ms, 5));
-        o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[j]), _mm512_mul_ps(u->d, dx), o);
-        if (q4) o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(u->ndmin, dx), o);
-        _mm512_storeu_ps(out + 16 * j, o);
+        for (int h = 0; h < KG_GROUPS; h++) {
+            const kg_half *e = &u->g[h];
+            __m512 o = _mm512_loadu_ps(out + KG_ROWS * j + KG_GROUP * h);
+            __m512i ms = _mm512_setzero_si512(), sj = S[j][h];
+            for (int k = 0; k < (q4 ? 4 : 8); k++)
+                ms = dpwssd_bcast(ms, e->mn[k], q4 ? a[j].halves + 2 * k : a[j].sums + 2 * k);
+            if (!q4) sj = _mm512_sub_epi32(sj, _mm512_slli_epi32(ms, 5));
+            o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sj), _mm512_mul_ps(e->d, dx), o);
+            if (q4) o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(e->ndmin, dx), o);
+            _mm512_storeu_ps(out + KG_ROWS * j + KG_GROUP * h, o);
+        }
     }
 }
 
@@ -789,8 +805,9 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
  * 15 x 127 fits; Q6_K's two x 2 x 63 x 127), then one madd by the rows' scales: 9 multiplies per 32 x 8
  * products, where the row tiles pay 16. The same exact S and Ms, the same fmas in the same order: the same
  * outputs as the row tiles. */
-#define KG_GROUPS 2 /* groups of 8 weight rows (a lane each) per tile: each input broadcast meets both */
-#define KG_ROWS (8 * KG_GROUPS)
+#define KG_GROUP 8  /* weight rows per group: a lane each */
+#define KG_GROUPS 2 /* groups per tile: each input broadcast meets both */
+#define KG_ROWS (KG_GROUP * KG_GROUPS)
 #define KG_MR 2    /* input rows per pass over an unpacked super-block */
 #define KG_AHEAD 4 /* super-blocks ahead that the GEMM's tiles prefetch */
 #define KG_MIN_M 5     /* input rows from which the GEMM beats the row tiles: Q4_K's */
@@ -917,9 +934,6 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     }
 }
 
-static void kg_unpack(const uint8_t *first, long row_bytes, int q4, kg_block *u) {
-    for (int h = 0; h < KG_GROUPS; h++) kg_unpack_half(first + 8 * h * row_bytes, row_bytes, q4, &u->g[h]);
-}
 
 /* Input rows against an unpacked super-block: each row's S and Ms, 16 weight rows' at once, and the two fmas of
  * every output (out: 16 floats per input row). Each broadcast of 4 inputs meets both groups of 8 rows: the
@@ -969,6 +983,16 @@ static inline __attribute__((always_inline)) void kg_rows(const kg_block *u, int
 #endif
 
 #if defined(KG_ROWS)
+/* A tile's super-block unpacked, group by group; a tile of one group (a weight's last, where its rows are an odd
+ * number of groups) unpacks that group twice and stores half the outputs. */
+static void kg_unpack(const uint8_t *first, long row_bytes, int q4, int groups, kg_block *u) {
+    for (int h = 0; h < KG_GROUPS; h++)
+        kg_unpack_half(first + (long)KG_GROUP * (h < groups ? h : groups - 1) * row_bytes, row_bytes, q4, &u->g[h]);
+}
+
+/* Tiles of KG_ROWS over n weight rows (a multiple of KG_GROUP): the last may be one group. */
+static inline int kg_tiles(int n) { return (n + KG_ROWS - 1) / KG_ROWS; }
+
 /* The input rows from which `format` takes the GEMM. */
 static inline int kg_least(int format) { return format == FMT_Q4_K ? KG_MIN_M : format == FMT_Q5_K ? KG_MIN_M_Q5 : KG_MIN_M_Q6; }
 
@@ -976,6 +1000,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
                     int N, kg_block *u, float *out, const uint16_t *bias, void *y, long y_stride, int f32) {
     memset(out, 0, sizeof(float) * KG_ROWS * (size_t)M);
     const int q4 = format == FMT_Q4_K ? 1 : format == FMT_Q5_K ? 2 : 0; /* kg_unpack's and kg_rows' kind */
+    const int rows = N - n0 < KG_ROWS ? N - n0 : KG_ROWS;
     const long bytes = kq_block_bytes(format);
     /* The next tile's first KG_AHEAD super-blocks of each row, which the prefetch below does not reach, spread
      * over this tile's super-blocks into L2: at a few input rows each tile's 16 streams started from DRAM */
@@ -988,10 +1013,10 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
         /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
          * super-block KG_AHEAD blocks on (all its lines: 144 to 210 bytes from any offset span at most 4) */
         if (b + KG_AHEAD < blocks)
-            for (int r = 0; r < KG_ROWS; r++)
+            for (int r = 0; r < rows; r++)
                 for (int line = 0; line < bytes + 64; line += 64)
                     _mm_prefetch((const char *)first + r * row_bytes + KG_AHEAD * bytes + line, _MM_HINT_T0);
-        kg_unpack(first, row_bytes, q4, u);
+        kg_unpack(first, row_bytes, q4, rows / KG_GROUP, u);
         /* the last super-block stores each pass's rows as they are done: one burst of M stores to M lines (y_stride
          * apart, most missing the caches) at the tile's end stalled its next tile's start */
         const int last = b == blocks - 1;
@@ -1001,7 +1026,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
             kg_rows(u, kind, xq + (long)b * M + (m0), mr, out + (long)KG_ROWS * (m0)); \
             if (last)                                                               \
                 for (int j = 0; j < mr; j++)                                        \
-                    store_outputs(out + (long)KG_ROWS * ((m0) + j), KG_ROWS, bias, y, \
+                    store_outputs(out + (long)KG_ROWS * ((m0) + j), rows, bias, y,    \
                                   (long)((m0) + j) * y_stride, n0, f32);            \
         } while (0)
 #define KG_PASSES(kind)                                                             \
@@ -1029,7 +1054,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-/* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, a prompt's first chunk, speculation's verify rows)
+/* A few input rows (kx_takes: several tabs' decodes, a short prompt, speculation's verify rows)
  * the other way round from the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its
  * 256 quants in natural order (ands and shifts, no transposes), two weight rows' interleaved dword by dword, so that
  * one 8-byte broadcast puts row A's 4 quants at a position in the even lanes and row B's in the odd; the 8 input
@@ -1038,8 +1063,9 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
  * multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same order: the same outputs. */
 #define KX_LANES 8  /* input rows per pass: two int32 lanes each (one per weight row of a pair) */
 #define KX_NR 8     /* weight rows unpacked together (four pairs: their broadcasts share each load of the inputs) */
-#define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
-#define KX_MAX_M 64 /* Zen 5: as fast as the GEMM for Q4_K at 40 to 64 rows, 16-24 % faster for Q6_K */
+#define KX_MIN_M 5  /* from here it beats the row tiles, and up to kx_most the GEMM (scripts/gguf_linears.py) */
+#define KX_MAX_M 32 /* Q6_K's most (Zen 5: as fast as the GEMM of 32-row tiles at 32 rows, faster below) */
+#define KX_MAX_M_Q4_K 8 /* Q4_K's (Zen 5: the GEMM as fast at 8 rows, 10-20 % faster from 9 up) */
 #define KX_AHEAD 49152 /* bytes: a tile takes longer a super-block than a row tile, ahead of DRAM by more */
 
 /* KX_LANES input rows at one super-block, each twice (lanes 2i, 2i + 1): dword p (inputs 4p..4p+3, natural order)
@@ -1051,6 +1077,11 @@ typedef struct {
     int32_t halves[4][2 * KX_LANES];
     int32_t sums32[16][2 * KX_LANES];
 } kx_block;
+
+/* The lanes kernel's rows: M input rows of `format` take it. */
+static inline int kx_takes(int format, int M) {
+    return M >= KX_MIN_M && M <= (format == FMT_Q6_K ? KX_MAX_M : KX_MAX_M_Q4_K);
+}
 
 static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int b, kx_block *o) {
     memset(o, 0, sizeof *o);
@@ -1249,14 +1280,14 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const long row_bytes = (long)blocks * kq_block_bytes(format);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    const int lanes = M >= KX_MIN_M && M <= KX_MAX_M && N % KX_NR == 0, tiles = (M + KX_LANES - 1) / KX_LANES;
+    const int lanes = kx_takes(format, M) && N % KX_NR == 0, tiles = (M + KX_LANES - 1) / KX_LANES;
     const size_t kx_bytes = lanes ? sizeof(kx_block) * (size_t)tiles * blocks + 64 : 0;
 #else
     const int lanes = 0;
     const size_t kx_bytes = 0;
 #endif
 #if defined(KG_ROWS)
-    const int gemm = !lanes && M >= kg_least(format) && N % KG_ROWS == 0;
+    const int gemm = !lanes && M >= kg_least(format) && N % KG_GROUP == 0;
     const size_t own = (sizeof(kg_block) + sizeof(float) * KG_ROWS * (size_t)M + 63) / 64 * 64; /* each thread's */
 #else
     const int gemm = 0;
@@ -1291,7 +1322,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
             /* tiles handed out as threads come free: these VMs' two cores often run at unequal speeds, and a
              * static share waits for the slower; a tile of a few rows is small, so those go a few at a time */
             #pragma omp for schedule(dynamic, M >= 64 ? 1 : 64 / M) nowait
-            for (int t = 0; t < N / KG_ROWS; t++)
+            for (int t = 0; t < kg_tiles(N); t++)
                 kg_tile(w, row_bytes, blocks, format, xq, M, t * KG_ROWS, N, (kg_block *)mine, (float *)(mine + sizeof(kg_block)),
                         bias, y, y_stride, f32);
         } else
@@ -1322,20 +1353,20 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
 enum { MAX_PARTS = 4 };
 
 #if defined(KG_ROWS)
-/* kquant_linear_parts beyond a decode, where every part takes the GEMM (its rows a multiple of KG_ROWS, M at
+/* kquant_linear_parts beyond a decode, where every part takes the GEMM (its rows a multiple of KG_GROUP, M at
  * least its format's threshold, and no lanes kernel for M): the inputs quantized once per order, block-major as
  * the GEMM reads them, and every part's tiles handed out from one loop. -1 where a part does not. */
 static int kquant_parts_gemm(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
                              const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
                              long y_stride, int threads, int f32) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    if (M >= KX_MIN_M && M <= KX_MAX_M) return -1;
-#endif
     const int blocks = K / QK;
     int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}, orders = 0; /* first[i]: part i's first tile; at: column */
     for (int i = 0; i < parts; i++) {
-        if (!kquant_format(formats[i]) || M < kg_least(formats[i]) || sizes[i] % KG_ROWS) return -1;
-        first[i + 1] = first[i] + sizes[i] / KG_ROWS;
+        if (!kquant_format(formats[i]) || M < kg_least(formats[i]) || sizes[i] % KG_GROUP) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+        if (kx_takes(formats[i], M)) return -1;
+#endif
+        first[i + 1] = first[i] + kg_tiles(sizes[i]);
         if (i) at[i] = at[i - 1] + sizes[i - 1];
         orders |= formats[i] != FMT_Q6_K ? 1 : 2;
     }
