@@ -66,9 +66,8 @@ def test_a_k_quant_linear_is_gguf_dequantized_times_its_int8_inputs(kernels, nam
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_a_k_quant_rows_result_does_not_depend_on_its_batch(kernels, name):
     """80 rows go through the GEMM (AVX2's takes Q6_K from 64 rows; 512-bit VNNI's 48 weight rows are a tile of 32
-    and a last of 16), 6 a lane each on 512-bit VNNI (a tile of 8 rows), and there Q6_K's 17 or 32 too (tiles two
-    at a time and one alone; Q4_K's through the GEMM), one row or four through the row tiles: the same outputs,
-    bit for bit."""
+    and a last of 16), 6, 17 or 32 a lane each (512-bit VNNI: tiles of 8 rows, two at a time and one alone), one
+    row or four through the row tiles: the same outputs, bit for bit."""
     k = 768
     in_place_or_skip(kernels, name, k)
     raw = blocks(name, 48, k, seed=5)

@@ -18,9 +18,9 @@
  *   per thread), against up to 4 input rows; the inputs are stored in the order the weights' vectors come out of
  *   their bytes, so that every weight vector meets its inputs with one load. The integers are kept until the
  *   tile's end, whose fmas run on its 4 weight rows at once (kq_fmas).
- * - lanes (5 to 8 input rows of Q4_K, to 32 of Q6_K: tabs decoding together, speculation's verify rows; 512-bit
- *   VNNI builds): a lane per input row and weight row of a pair, each two rows' 4 weights broadcast against 8
- *   rows' inputs at once (kx_tile below).
+ * - lanes (5 to 48 input rows: tabs decoding together, speculation's verify rows; 512-bit VNNI builds): a lane
+ *   per input row and weight row of a pair, each two rows' 4 weights broadcast against 8 rows' inputs at once
+ *   (kx_tile below).
  * - a GEMM (more rows: prefill): 32 weight rows (two groups of 16) are unpacked per super-block (loads and
  *   transposes) into one vector per 4 weights and group (a lane per row), which each input row meets with dpbusd:
  *   64 products an instruction, a group's 16 fp32 sums in the lanes.
@@ -1054,7 +1054,7 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-/* A few input rows (kx_takes: several tabs' decodes, a short prompt, speculation's verify rows)
+/* A few input rows (KX_MIN_M to KX_MAX_M: several tabs' decodes, a short prompt, speculation's verify rows)
  * the other way round from the GEMM: a lane per input row. Each weight row's super-block is unpacked once into its
  * 256 quants in natural order (ands and shifts, no transposes), two weight rows' interleaved dword by dword, so that
  * one 8-byte broadcast puts row A's 4 quants at a position in the even lanes and row B's in the odd; the 8 input
@@ -1063,9 +1063,8 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
  * multiply the 16 sums at once. Same exact int32 S and Ms, same fmas in the same order: the same outputs. */
 #define KX_LANES 8  /* input rows per pass: two int32 lanes each (one per weight row of a pair) */
 #define KX_NR 8     /* weight rows unpacked together (four pairs: their broadcasts share each load of the inputs) */
-#define KX_MIN_M 5  /* from here it beats the row tiles, and up to kx_most the GEMM (scripts/gguf_linears.py) */
-#define KX_MAX_M 32 /* Q6_K's most (Zen 5: as fast as the GEMM of 32-row tiles at 32 rows, faster below) */
-#define KX_MAX_M_Q4_K 8 /* Q4_K's (Zen 5: the GEMM as fast at 8 rows, 10-20 % faster from 9 up) */
+#define KX_MIN_M 5  /* from here it beats the row tiles, and up to KX_MAX_M the GEMM (scripts/gguf_linears.py) */
+#define KX_MAX_M 48 /* Zen 5, a whole model's prefill (weights from DRAM): the GEMM as fast at ~45 rows, faster above */
 #define KX_AHEAD 49152 /* bytes: a tile takes longer a super-block than a row tile, ahead of DRAM by more */
 
 /* KX_LANES input rows at one super-block, each twice (lanes 2i, 2i + 1): dword p (inputs 4p..4p+3, natural order)
@@ -1077,11 +1076,6 @@ typedef struct {
     int32_t halves[4][2 * KX_LANES];
     int32_t sums32[16][2 * KX_LANES];
 } kx_block;
-
-/* The lanes kernel's rows: M input rows of `format` take it. */
-static inline int kx_takes(int format, int M) {
-    return M >= KX_MIN_M && M <= (format == FMT_Q6_K ? KX_MAX_M : KX_MAX_M_Q4_K);
-}
 
 static void kx_inputs(const q8_block *xq, int M, int blocks, int q4, int mt, int b, kx_block *o) {
     memset(o, 0, sizeof *o);
@@ -1280,7 +1274,7 @@ int kquant_linear(scratch *s, const void *x, const uint8_t *w, int format, const
     const long row_bytes = (long)blocks * kq_block_bytes(format);
     const size_t x_bytes = (sizeof(q8_block) * (size_t)M * blocks + 63) / 64 * 64;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    const int lanes = kx_takes(format, M) && N % KX_NR == 0, tiles = (M + KX_LANES - 1) / KX_LANES;
+    const int lanes = M >= KX_MIN_M && M <= KX_MAX_M && N % KX_NR == 0, tiles = (M + KX_LANES - 1) / KX_LANES;
     const size_t kx_bytes = lanes ? sizeof(kx_block) * (size_t)tiles * blocks + 64 : 0;
 #else
     const int lanes = 0;
@@ -1359,13 +1353,14 @@ enum { MAX_PARTS = 4 };
 static int kquant_parts_gemm(scratch *s, const void *x, const void *const *weights, const int32_t *formats,
                              const int *sizes, int parts, const uint16_t *bias, void *y, int M, int K, long x_stride,
                              long y_stride, int threads, int f32) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    if (M >= KX_MIN_M && M <= KX_MAX_M) return -1;
+#endif
     const int blocks = K / QK;
     int first[MAX_PARTS + 1] = {0}, at[MAX_PARTS] = {0}, orders = 0; /* first[i]: part i's first tile; at: column */
     for (int i = 0; i < parts; i++) {
         if (!kquant_format(formats[i]) || M < kg_least(formats[i]) || sizes[i] % KG_GROUP) return -1;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-        if (kx_takes(formats[i], M)) return -1;
-#endif
+
         first[i + 1] = first[i] + kg_tiles(sizes[i]);
         if (i) at[i] = at[i - 1] + sizes[i - 1];
         orders |= formats[i] != FMT_Q6_K ? 1 : 2;
