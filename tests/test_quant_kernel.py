@@ -89,7 +89,7 @@ def ulps_off(y: torch.Tensor, exact: np.ndarray, magnitude: np.ndarray) -> np.nd
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 576), (96, 1536), (32, 96)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 66])  # 66: 512-bit tiles two at a time, and a lone one where odd
 def test_quantized_linear_is_its_methods_reference_to_bf16_rounding(kernels, name, n, k, rows):
     fmt = FORMATS[name]
     blocks = quantized(fmt, n, k, seed=n * k + fmt)
@@ -131,16 +131,18 @@ def test_float32_activations_in_and_out_are_the_reference_to_fp32_rounding(kerne
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_a_rows_result_does_not_depend_on_its_batch(kernels, name):
     fmt, k = FORMATS[name], 576
-    blocks = quantized(fmt, 64, k, seed=fmt)
-    weight = quant.PackedWeight(packed(kernels, blocks, fmt, k), fmt, 64, k)
-    x = torch.randn(21, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    together = kernels.linear(x, weight, None)
-    for row in (0, 4, 13, 20):
-        assert torch.equal(kernels.linear(x[row : row + 1], weight, None)[0], together[row])
-    assert torch.equal(kernels.linear(x[5:9], weight, None), together[5:9])
+    blocks = quantized(fmt, 80, k, seed=fmt)
+    weight = quant.PackedWeight(packed(kernels, blocks, fmt, k), fmt, 80, k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):  # fp32 out: bf16's rounding hides a sum's last bits
+        xs = x.to(dtype)
+        for together in (kernels.linear(xs, weight, None), kernels.linear(xs[:21], weight, None)):  # 70: tile pairs
+            for row in (0, 4, 13, 20):
+                assert torch.equal(kernels.linear(xs[row : row + 1], weight, None)[0], together[row])
+            assert torch.equal(kernels.linear(xs[5:9], weight, None), together[5:9])
 
 
-@pytest.mark.parametrize("rows", [2, 19])  # the tiles; AVX2's GEMM (its outputs stored a vector at a time)
+@pytest.mark.parametrize("rows", [2, 19, 67])  # the tiles (67: two at a time); AVX2's GEMM (a vector at a time)
 def test_a_bias_is_added_once(kernels, rows):
     fmt, k = FORMATS["Q4_1"], 128
     blocks = quantized(fmt, 32, k, seed=9)

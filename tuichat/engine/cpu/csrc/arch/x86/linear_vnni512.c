@@ -6,7 +6,8 @@
  * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
  * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of
  * the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1) the 16 fp16 minimums: the same bytes as GGUF's,
- * tile by tile in the order they are read. */
+ * tile by tile in the order they are read. From TILED_PAIR_MIN_M input rows (a prefill) the nibble formats run two
+ * adjacent tiles a pass, so that each broadcast of 4 inputs meets 32 rows. */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -16,6 +17,8 @@
 #include <immintrin.h>
 #define TILED_ROWS 16
 #define TILED_MR 6  /* input rows per pass over a tile: 6 accumulators, 8 weight vectors, of 32 registers */
+#define TILED_PAIR_MR 4 /* input rows per pass over two tiles: 8 accumulators, 16 weight vectors */
+#define TILED_PAIR_MIN_M 64 /* input rows from which tiles go two at a time (a prefill; at 40 no faster) */
 /* A decode's tiles stream from DRAM, each thread through one contiguous range of them (static schedule):
  * asking for the bytes this far ahead keeps enough loads in flight, where the hardware prefetcher, restarted
  * at every short range a dynamic schedule handed out, did not. */
@@ -102,14 +105,67 @@ static void quantize_rows(const void *x, int f32, int first, int last, int K, lo
         }
 }
 
+/* A tile's block b unpacked: its 8 vectors of 4 quants a row, its scales and minimums (the fp32 term per input
+ * sum). */
+static inline __attribute__((always_inline)) void tiled_weights(const uint8_t *block, const int format, __m512i w[8],
+                                                                __m512 *d, __m512 *minimum) {
+    const int quants = byte_quants(format) ? 512 : 256;
+    const int scales = quants + (five_bit(format) ? 64 : 0); /* after Q5's fifth bits */
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : format == FMT_Q5_0 ? -16.0f : -8.0f);
+    if (byte_quants(format)) {
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
+    } else {
+        for (int h = 0; h < 4; h++) {
+            __m512i v = _mm512_loadu_si512(block + 64 * h);
+            w[h] = _mm512_and_si512(v, low);
+            w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        if (five_bit(format)) { /* bit 8k + g of a row's dword: the fifth bit of weight 4g + k, into bit 4 */
+            const __m512i bits = _mm512_loadu_si512(block + 256);
+            for (int g = 0; g < 8; g++) {
+                const __m512i at = g < 4 ? _mm512_slli_epi32(bits, 4 - g) : _mm512_srli_epi32(bits, g - 4);
+                w[g] = _mm512_ternarylogic_epi32(w[g], at, fifth, 0xf8); /* w | (at & fifth) */
+            }
+        }
+    }
+    if (from_k_quant(format)) {
+        *d = _mm512_loadu_ps(block + quants);
+        *minimum = _mm512_loadu_ps(block + quants + 64);
+    } else {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales)));
+        *minimum = format == FMT_Q4_1 || format == FMT_Q5_1
+                      ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales + 32)))
+                      : _mm512_mul_ps(*d, offset);
+    }
+}
+
+/* Outputs n0..n0+15 of input rows m0..m0+mr-1, plus the bias: fp32, or to bf16, nearest even, as to_bf16. */
+static inline __attribute__((always_inline)) void tiled_store(const __m512 *acc, const int mr, const uint16_t *bias,
+                                                              void *y, long y_stride, int n0, int m0, int f32) {
+    __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
+                      : _mm512_setzero_ps();
+    for (int j = 0; j < mr; j++) {
+        __m512 v = _mm512_add_ps(acc[j], add);
+        if (f32) {
+            _mm512_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, v);
+            continue;
+        }
+        __m512i u = _mm512_castps_si512(v);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
 static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
                                                              const int8_t *q, const float *dx, const float *sx,
                                                              int K, const uint16_t *bias, void *y,
                                                              long y_stride, int n0, int m0, const int mr, int f32) {
-    const int quants = byte_quants(format) ? 512 : 256, bytes = tiled_block_bytes(format);
-    const int scales = quants + (five_bit(format) ? 64 : 0); /* after Q5's fifth bits */
-    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
-    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : format == FMT_Q5_0 ? -16.0f : -8.0f);
+    const int bytes = tiled_block_bytes(format);
     __m512 acc[TILED_MR];
     for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -120,32 +176,8 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
             continue;
         }
         __m512i w[8];
-        if (byte_quants(format)) {
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
-        } else {
-            for (int h = 0; h < 4; h++) {
-                __m512i v = _mm512_loadu_si512(block + 64 * h);
-                w[h] = _mm512_and_si512(v, low);
-                w[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-            if (five_bit(format)) { /* bit 8k + g of a row's dword: the fifth bit of weight 4g + k, into bit 4 */
-                const __m512i bits = _mm512_loadu_si512(block + 256);
-                for (int g = 0; g < 8; g++) {
-                    const __m512i at = g < 4 ? _mm512_slli_epi32(bits, 4 - g) : _mm512_srli_epi32(bits, g - 4);
-                    w[g] = _mm512_ternarylogic_epi32(w[g], at, fifth, 0xf8); /* w | (at & fifth) */
-                }
-            }
-        }
         __m512 d, minimum;
-        if (from_k_quant(format)) {
-            d = _mm512_loadu_ps(block + quants);
-            minimum = _mm512_loadu_ps(block + quants + 64);
-        } else {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales)));
-            minimum = format == FMT_Q4_1 || format == FMT_Q5_1
-                          ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales + 32)))
-                          : _mm512_mul_ps(d, offset);
-        }
+        tiled_weights(block, format, w, &d, &minimum);
         for (int j = 0; j < mr; j++) {
             const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
             /* two chains of dpbusd, not one of 8: on Zen 5, which runs two a cycle, a 512-row pass 5 % faster */
@@ -163,24 +195,51 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
             acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
         }
     }
-    __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
-                      : _mm512_setzero_ps();
-    for (int j = 0; j < mr; j++) {  /* fp32, or to bf16, nearest even, as to_bf16 */
-        __m512 v = _mm512_add_ps(acc[j], add);
-        if (f32) {
-            _mm512_storeu_ps((float *)y + (long)(m0 + j) * y_stride + n0, v);
-            continue;
-        }
-        __m512i u = _mm512_castps_si512(v);
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)y + (long)(m0 + j) * y_stride + n0), _mm512_cvtepi32_epi16(rounded));
-    }
+    tiled_store(acc, mr, bias, y, y_stride, n0, m0, f32);
 }
 
+/* Two adjacent tiles (32 weight rows) against input rows m0..m0+mr-1: each 4 inputs, broadcast into a register
+ * once, meet both tiles' weights (one tile a pass spends a load per dpbusd on the broadcasts). Each output's
+ * arithmetic is tiled_tile's, in the same order: the same bits. */
+static inline __attribute__((always_inline)) void tiled_pair(const uint8_t *tile, long tile_bytes, const int format,
+                                                             int blocks, const int8_t *q, const float *dx,
+                                                             const float *sx, int K, const uint16_t *bias, void *y,
+                                                             long y_stride, int n0, int m0, const int mr, int f32) {
+    const int bytes = tiled_block_bytes(format);
+    __m512 acc[2][TILED_PAIR_MR];
+    for (int j = 0; j < mr; j++) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512i w[2][8];
+        __m512 d[2], minimum[2];
+        for (int t = 0; t < 2; t++) {
+            const uint8_t *block = tile + t * tile_bytes + (long)b * bytes;
+            for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
+            tiled_weights(block, format, w[t], &d[t], &minimum[t]);
+        }
+        for (int j = 0; j < mr; j++) {
+            const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+            __m512i even[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, odd[2] = {even[0], even[0]};
+            for (int g = 0; g < 8; g += 2) {
+                int32_t four, next;
+                memcpy(&four, xq + 4 * g, 4);
+                memcpy(&next, xq + 4 * g + 4, 4);
+                const __m512i x = _mm512_set1_epi32(four), xn = _mm512_set1_epi32(next);
+                for (int t = 0; t < 2; t++) {
+                    even[t] = _mm512_dpbusd_epi32(even[t], w[t][g], x);
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w[t][g + 1], xn);
+                }
+            }
+            const long at = (long)(m0 + j) * blocks + b;
+            const __m512 scale = _mm512_set1_ps(dx[at]), sum = _mm512_set1_ps(sx[at]);
+            for (int t = 0; t < 2; t++) {
+                const __m512i sums = _mm512_add_epi32(even[t], odd[t]);
+                acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale), d[t], acc[t][j]);
+                acc[t][j] = _mm512_fmadd_ps(minimum[t], sum, acc[t][j]);
+            }
+        }
+    }
+    for (int t = 0; t < 2; t++) tiled_store(acc[t], mr, bias, y, y_stride, n0 + TILED_ROWS * t, m0, f32);
+}
 /* The quantized inputs live in the call's scratch (SCRATCH_LINEAR): no allocation per step. */
 int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                  int K, long x_stride, long y_stride, int threads, int f32) {
@@ -193,7 +252,6 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
     const size_t need = copy * (own_copy ? threads : 1);
     char *memory = scratch_reserve(s, SCRATCH_LINEAR, need);  /* with own_copy, a part for each worker */
     if (!memory) return -2;
-    const int full = M / TILED_MR * TILED_MR;
     #pragma omp parallel num_threads(threads)
     {
     float *dx = (float *)(memory + (own_copy ? copy * omp_get_thread_num() : 0));
@@ -206,36 +264,48 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
         quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
         #pragma omp barrier
     }
+    /* units of one tile, or two where the inputs are many enough and the quants nibbles (a byte a quant: Q8_0's
+     * pairs ran slower, their 16 vectors of weights each a load per dpbusd) */
+    const int tiles = N / TILED_ROWS, per = M >= TILED_PAIR_MIN_M && !byte_quants(format) ? 2 : 1;
     #pragma omp for schedule(static) nowait
-    for (int t = 0; t < N / TILED_ROWS; t++) {
+    for (int u = 0; u < (tiles + per - 1) / per; u++) {
+        const int t = u * per, n0 = t * TILED_ROWS;
         const uint8_t *tile = w + t * tile_bytes;
-        const int n0 = t * TILED_ROWS;
-#define T4_0(mr, m0) tiled_tile(tile, FMT_Q4_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T4_1(mr, m0) tiled_tile(tile, FMT_Q4_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T8_0(mr, m0) tiled_tile(tile, FMT_Q8_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T4_K(mr, m0) tiled_tile(tile, FMT_Q4_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T5_K(mr, m0) tiled_tile(tile, FMT_Q5_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T6_K(mr, m0) tiled_tile(tile, FMT_Q6_K_32, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T5_0(mr, m0) tiled_tile(tile, FMT_Q5_0, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T5_1(mr, m0) tiled_tile(tile, FMT_Q5_1, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define T_TILES(TILE) \
+#define ONE(F, mr, m0) tiled_tile(tile, F, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define TWO(F, mr, m0) tiled_pair(tile, tile_bytes, F, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define RUN(KIND, F, MR) /* passes of MR input rows, then the rest: each row count a constant in its copy */ \
     do { \
-        for (int m0 = 0; m0 < full; m0 += TILED_MR) TILE(TILED_MR, m0); \
-        switch (M - full) { \
-            case 1: TILE(1, full); break; case 2: TILE(2, full); break; case 3: TILE(3, full); break; \
-            case 4: TILE(4, full); break; case 5: TILE(5, full); break; default: break; \
+        const int whole = M / (MR) * (MR); \
+        for (int m0 = 0; m0 < whole; m0 += (MR)) KIND(F, MR, m0); \
+        switch (M - whole) { \
+            case 1: KIND(F, 1, whole); break; case 2: if ((MR) > 2) KIND(F, 2, whole); break; \
+            case 3: if ((MR) > 3) KIND(F, 3, whole); break; case 4: if ((MR) > 4) KIND(F, 4, whole); break; \
+            case 5: if ((MR) > 5) KIND(F, 5, whole); break; default: break; \
         } \
     } while (0)
-        switch (format) {
-            case FMT_Q4_0: T_TILES(T4_0); break;
-            case FMT_Q4_1: T_TILES(T4_1); break;
-            case FMT_Q4_K_32: T_TILES(T4_K); break;
-            case FMT_Q5_K_32: T_TILES(T5_K); break;
-            case FMT_Q6_K_32: T_TILES(T6_K); break;
-            case FMT_Q5_0: T_TILES(T5_0); break;
-            case FMT_Q5_1: T_TILES(T5_1); break;
-            default: T_TILES(T8_0); break;
+        if (per == 2 && t + 1 < tiles) {
+            switch (format) {
+                case FMT_Q4_0: RUN(TWO, FMT_Q4_0, TILED_PAIR_MR); break;
+                case FMT_Q4_1: RUN(TWO, FMT_Q4_1, TILED_PAIR_MR); break;
+                case FMT_Q4_K_32: RUN(TWO, FMT_Q4_K_32, TILED_PAIR_MR); break;
+                case FMT_Q5_0: RUN(TWO, FMT_Q5_0, TILED_PAIR_MR); break;
+                default: RUN(TWO, FMT_Q5_1, TILED_PAIR_MR); break;
+            }
+            continue;
         }
+        switch (format) {
+            case FMT_Q4_0: RUN(ONE, FMT_Q4_0, TILED_MR); break;
+            case FMT_Q4_1: RUN(ONE, FMT_Q4_1, TILED_MR); break;
+            case FMT_Q4_K_32: RUN(ONE, FMT_Q4_K_32, TILED_MR); break;
+            case FMT_Q5_K_32: RUN(ONE, FMT_Q5_K_32, TILED_MR); break;
+            case FMT_Q6_K_32: RUN(ONE, FMT_Q6_K_32, TILED_MR); break;
+            case FMT_Q5_0: RUN(ONE, FMT_Q5_0, TILED_MR); break;
+            case FMT_Q5_1: RUN(ONE, FMT_Q5_1, TILED_MR); break;
+            default: RUN(ONE, FMT_Q8_0, TILED_MR); break;
+        }
+#undef RUN
+#undef TWO
+#undef ONE
     }
     }
     return 0;
