@@ -1,8 +1,8 @@
 /* int8 dot products on 512-bit VNNI, tiles of 16 weight rows: every format quantized_linear (linear_quant.c)
  * takes. The same arithmetic as linear_int8.c's (inputs quantized per block of 32, exact int32 block sums, the
  * minimums' term), with the weights laid out so that one vector holds 4 consecutive quants of 16 rows: a dpbusd
- * against 4 input quants broadcast from memory is 64 products, and one cvt and two fmadds per block scale 16
- * outputs. The pair layout spends that per 8 outputs, a third of the products per instruction, which left
+ * against 4 input quants broadcast from memory is 64 products, and one cvt, a mul and an fmadd per block (a second
+ * fmadd for a minimum that is not a fixed offset: offset_of) scale 16 outputs. The pair layout spends that per 8 outputs, a third of the products per instruction, which left
  * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
  * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of
  * the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1) the 16 fp16 minimums: the same bytes as GGUF's,
@@ -75,10 +75,17 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *block,
     }
 }
 
+/* Formats whose minimum is a fixed offset of the quants (Q4_0's 8, Q5_0's 16, Q8_0's 128 as its quants are
+ * stored): offset times the inputs' sum joins the int32 sum exactly, as in llama.cpp's dot products, where the
+ * others' minimums take an fma a block. */
+static inline int offset_of(int format) {
+    return format == FMT_Q4_0 ? -8 : format == FMT_Q5_0 ? -16 : format == FMT_Q8_0 ? -128 : 0;
+}
+
 /* Input rows [first, last) (bf16, or fp32 with f32): int8 quants in their own order (q, M x K), and per block dx
- * and sx = dx * sum(q). */
-static void quantize_rows(const void *x, int f32, int first, int last, int K, long x_stride, int8_t *q, float *dx,
-                          float *sx) {
+ * and either sx = dx * sum(q) or, for an offset format, qs = offset * sum(q) in its place (sx and qs alias). */
+static void quantize_rows(const void *x, int f32, int first, int last, int K, long x_stride, int offset, int8_t *q,
+                          float *dx, float *sx, int32_t *qs) {
     const int blocks = K / 32;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int m = first; m < last; m++)
@@ -101,7 +108,9 @@ static void quantize_rows(const void *x, int f32, int first, int last, int K, lo
             _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(q0));  /* |q| <= 127: no saturation */
             _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(q1));
             dx[(long)m * blocks + b] = d;
-            sx[(long)m * blocks + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            if (offset) qs[(long)m * blocks + b] = offset * sum;
+            else sx[(long)m * blocks + b] = d * (float)sum;
         }
 }
 
@@ -112,7 +121,6 @@ static inline __attribute__((always_inline)) void tiled_weights(const uint8_t *b
     const int quants = byte_quants(format) ? 512 : 256;
     const int scales = quants + (five_bit(format) ? 64 : 0); /* after Q5's fifth bits */
     const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
-    const __m512 offset = _mm512_set1_ps(format == FMT_Q8_0 ? -128.0f : format == FMT_Q5_0 ? -16.0f : -8.0f);
     if (byte_quants(format)) {
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(block + 64 * g);
     } else {
@@ -134,9 +142,9 @@ static inline __attribute__((always_inline)) void tiled_weights(const uint8_t *b
         *minimum = _mm512_loadu_ps(block + quants + 64);
     } else {
         *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales)));
-        *minimum = format == FMT_Q4_1 || format == FMT_Q5_1
+        *minimum = format == FMT_Q4_1 || format == FMT_Q5_1    /* the others': offset_of */
                       ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + scales + 32)))
-                      : _mm512_mul_ps(*d, offset);
+                      : _mm512_setzero_ps();
     }
 }
 
@@ -163,7 +171,7 @@ static inline __attribute__((always_inline)) void tiled_store(const __m512 *acc,
 
 static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
                                                              const int8_t *q, const float *dx, const float *sx,
-                                                             int K, const uint16_t *bias, void *y,
+                                                             const int32_t *qs, int K, const uint16_t *bias, void *y,
                                                              long y_stride, int n0, int m0, const int mr, int f32) {
     const int bytes = tiled_block_bytes(format);
     __m512 acc[TILED_MR];
@@ -189,10 +197,11 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
                 even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(four));
                 odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(next));
             }
-            const __m512i sums = _mm512_add_epi32(even, odd);
-            long at = (long)(m0 + j) * blocks + b;
+            const long at = (long)(m0 + j) * blocks + b;
+            __m512i sums = _mm512_add_epi32(even, odd);
+            if (offset_of(format)) sums = _mm512_add_epi32(sums, _mm512_set1_epi32(qs[at]));
             acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(dx[at])), d, acc[j]);
-            acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
+            if (!offset_of(format)) acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
         }
     }
     tiled_store(acc, mr, bias, y, y_stride, n0, m0, f32);
@@ -203,7 +212,8 @@ static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile
  * arithmetic is tiled_tile's, in the same order: the same bits. */
 static inline __attribute__((always_inline)) void tiled_pair(const uint8_t *tile, long tile_bytes, const int format,
                                                              int blocks, const int8_t *q, const float *dx,
-                                                             const float *sx, int K, const uint16_t *bias, void *y,
+                                                             const float *sx, const int32_t *qs, int K,
+                                                             const uint16_t *bias, void *y,
                                                              long y_stride, int n0, int m0, const int mr, int f32) {
     const int bytes = tiled_block_bytes(format);
     __m512 acc[2][TILED_PAIR_MR];
@@ -230,11 +240,12 @@ static inline __attribute__((always_inline)) void tiled_pair(const uint8_t *tile
                 }
             }
             const long at = (long)(m0 + j) * blocks + b;
-            const __m512 scale = _mm512_set1_ps(dx[at]), sum = _mm512_set1_ps(sx[at]);
+            const __m512 scale = _mm512_set1_ps(dx[at]);
             for (int t = 0; t < 2; t++) {
-                const __m512i sums = _mm512_add_epi32(even[t], odd[t]);
+                __m512i sums = _mm512_add_epi32(even[t], odd[t]);
+                if (offset_of(format)) sums = _mm512_add_epi32(sums, _mm512_set1_epi32(qs[at]));
                 acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale), d[t], acc[t][j]);
-                acc[t][j] = _mm512_fmadd_ps(minimum[t], sum, acc[t][j]);
+                if (!offset_of(format)) acc[t][j] = _mm512_fmadd_ps(minimum[t], _mm512_set1_ps(sx[at]), acc[t][j]);
             }
         }
     }
@@ -256,12 +267,14 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
     {
     float *dx = (float *)(memory + (own_copy ? copy * omp_get_thread_num() : 0));
     float *sx = dx + (size_t)M * blocks;
+    int32_t *qs = (int32_t *)sx;
     int8_t *q = (int8_t *)(sx + (size_t)M * blocks);
     if (own_copy) {
-        quantize_rows(x, f32, 0, M, K, x_stride, q, dx, sx);
+        quantize_rows(x, f32, 0, M, K, x_stride, offset_of(format), q, dx, sx, qs);
     } else {
         int share = (M + omp_get_num_threads() - 1) / omp_get_num_threads(), first = omp_get_thread_num() * share;
-        quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride, q, dx, sx);
+        quantize_rows(x, f32, first < M ? first : M, first + share < M ? first + share : M, K, x_stride,
+                      offset_of(format), q, dx, sx, qs);
         #pragma omp barrier
     }
     /* units of one tile, or two where the inputs are many enough and the quants nibbles (a byte a quant: Q8_0's
@@ -271,8 +284,8 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
     for (int u = 0; u < (tiles + per - 1) / per; u++) {
         const int t = u * per, n0 = t * TILED_ROWS;
         const uint8_t *tile = w + t * tile_bytes;
-#define ONE(F, mr, m0) tiled_tile(tile, F, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
-#define TWO(F, mr, m0) tiled_pair(tile, tile_bytes, F, blocks, q, dx, sx, K, bias, y, y_stride, n0, m0, mr, f32)
+#define ONE(F, mr, m0) tiled_tile(tile, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
+#define TWO(F, mr, m0) tiled_pair(tile, tile_bytes, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
 #define RUN(KIND, F, MR) /* passes of MR input rows, then the rest: each row count a constant in its copy */ \
     do { \
         const int whole = M / (MR) * (MR); \
