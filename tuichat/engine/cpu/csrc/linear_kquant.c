@@ -739,13 +739,6 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     }
 }
 
-/* acc + dpbusd(w, the 4 int8 inputs at x broadcast), the broadcast folded into the instruction's memory operand
- * ({1to16}): compilers load it into a register first, an extra instruction for each dpbusd. */
-static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t *x) {
-    __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*(const int32_t *)x));
-    return acc;
-}
-
 /* acc + dpwssd(w, the int16 pair at x broadcast): madd_epi16 and its add in one instruction (the same int32 sums) */
 static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *x) {
     __asm__("vpdpwssd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*(const int32_t *)x));
@@ -934,7 +927,6 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     }
 }
 
-
 /* Input rows against an unpacked super-block: each row's S and Ms, 16 weight rows' at once, and the two fmas of
  * every output (out: 16 floats per input row). Each broadcast of 4 inputs meets both groups of 8 rows: the
  * broadcasts take a vector pipe's slot on Zen 3, one per maddubs measured ~20 % slower. */
@@ -1003,14 +995,14 @@ static void kg_tile(const uint8_t *w, long row_bytes, int blocks, int format, co
     const int rows = N - n0 < KG_ROWS ? N - n0 : KG_ROWS;
     const long bytes = kq_block_bytes(format);
     /* The next tile's first KG_AHEAD super-blocks of each row, which the prefetch below does not reach, spread
-     * over this tile's super-blocks into L2: at a few input rows each tile's 16 streams started from DRAM */
+     * over this tile's super-blocks into L2: at a few input rows each tile's streams started from DRAM */
     const char *next = n0 + KG_ROWS < N ? (const char *)w + (long)(n0 + KG_ROWS) * row_bytes : NULL;
     for (int b = 0; b < blocks; b++) {
         for (int r = b * KG_ROWS / blocks; next && r < (b + 1) * KG_ROWS / blocks; r++)
             for (long line = 0; line < KG_AHEAD * bytes + 64 && line < row_bytes; line += 64)
                 _mm_prefetch(next + r * row_bytes + line, _MM_HINT_T1);
         const uint8_t *first = w + n0 * row_bytes + (long)b * bytes;
-        /* 16 streams, one a row: the hardware prefetcher follows few of them; ask for each row's bytes of the
+        /* a stream a row (16 or 32): the hardware prefetcher follows few of them; ask for each row's bytes of the
          * super-block KG_AHEAD blocks on (all its lines: 144 to 210 bytes from any offset span at most 4) */
         if (b + KG_AHEAD < blocks)
             for (int r = 0; r < rows; r++)
