@@ -2,8 +2,8 @@
  * takes. The same arithmetic as linear_int8.c's (inputs quantized per block of 32, exact int32 block sums, the
  * minimums' term), with the weights laid out so that one vector holds 4 consecutive quants of 16 rows: a dpbusd
  * against 4 input quants broadcast from memory is 64 products, and one cvt, a mul and an fmadd per block (a second
- * fmadd for a minimum that is not a fixed offset: offset_of) scale 16 outputs. The pair layout spends that per 8 outputs, a third of the products per instruction, which left
- * prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
+ * fmadd for a minimum that is not a fixed offset: offset_of) scale 16 outputs. The pair layout spends that per 8
+ * outputs, a third of the products per instruction, which left prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
  * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of
  * the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1) the 16 fp16 minimums: the same bytes as GGUF's,
  * tile by tile in the order they are read. From TILED_PAIR_MIN_M input rows (a prefill) the nibble formats run two
@@ -169,79 +169,48 @@ static inline __attribute__((always_inline)) void tiled_store(const __m512 *acc,
     }
 }
 
-static inline __attribute__((always_inline)) void tiled_tile(const uint8_t *tile, const int format, int blocks,
-                                                             const int8_t *q, const float *dx, const float *sx,
-                                                             const int32_t *qs, int K, const uint16_t *bias, void *y,
-                                                             long y_stride, int n0, int m0, const int mr, int f32) {
+/* nt (1 or 2) adjacent tiles against input rows m0..m0+mr-1. With two (32 weight rows), each 4 inputs, broadcast
+ * into a register once, meet both tiles' weights: one tile a pass spends a load per dpbusd on the broadcasts.
+ * Each output's arithmetic is the same either way: the same bits. */
+static inline __attribute__((always_inline)) void tiled_tiles(const uint8_t *tile, long tile_bytes, const int nt,
+                                                              const int format, int blocks, const int8_t *q,
+                                                              const float *dx, const float *sx, const int32_t *qs,
+                                                              int K, const uint16_t *bias, void *y, long y_stride,
+                                                              int n0, int m0, const int mr, int f32) {
     const int bytes = tiled_block_bytes(format);
-    __m512 acc[TILED_MR];
-    for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *block = tile + (long)b * bytes;
-        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
-        if (format == FMT_Q6_K_32) {
-            q6_block(block, q, dx, K, blocks, b, m0, mr, acc);
-            continue;
-        }
-        __m512i w[8];
-        __m512 d, minimum;
-        tiled_weights(block, format, w, &d, &minimum);
-        for (int j = 0; j < mr; j++) {
-            const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
-            /* two chains of dpbusd, not one of 8: on Zen 5, which runs two a cycle, a 512-row pass 5 % faster */
-            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-            for (int g = 0; g < 8; g += 2) {
-                int32_t four, next;
-                memcpy(&four, xq + 4 * g, 4);
-                memcpy(&next, xq + 4 * g + 4, 4);
-                even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(four));
-                odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(next));
-            }
-            const long at = (long)(m0 + j) * blocks + b;
-            __m512i sums = _mm512_add_epi32(even, odd);
-            if (offset_of(format)) sums = _mm512_add_epi32(sums, _mm512_set1_epi32(qs[at]));
-            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(dx[at])), d, acc[j]);
-            if (!offset_of(format)) acc[j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[at]), acc[j]);
-        }
-    }
-    tiled_store(acc, mr, bias, y, y_stride, n0, m0, f32);
-}
-
-/* Two adjacent tiles (32 weight rows) against input rows m0..m0+mr-1: each 4 inputs, broadcast into a register
- * once, meet both tiles' weights (one tile a pass spends a load per dpbusd on the broadcasts). Each output's
- * arithmetic is tiled_tile's, in the same order: the same bits. */
-static inline __attribute__((always_inline)) void tiled_pair(const uint8_t *tile, long tile_bytes, const int format,
-                                                             int blocks, const int8_t *q, const float *dx,
-                                                             const float *sx, const int32_t *qs, int K,
-                                                             const uint16_t *bias, void *y,
-                                                             long y_stride, int n0, int m0, const int mr, int f32) {
-    const int bytes = tiled_block_bytes(format);
-    __m512 acc[2][TILED_PAIR_MR];
-    for (int j = 0; j < mr; j++) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+    __m512 acc[2][TILED_MR];
+    for (int t = 0; t < nt; t++)
+        for (int j = 0; j < mr; j++) acc[t][j] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m512i w[2][8];
         __m512 d[2], minimum[2];
-        for (int t = 0; t < 2; t++) {
+        for (int t = 0; t < nt; t++) {
             const uint8_t *block = tile + t * tile_bytes + (long)b * bytes;
             for (int l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_BYTES + l, 0, 0);
-            tiled_weights(block, format, w[t], &d[t], &minimum[t]);
+            if (format != FMT_Q6_K_32) tiled_weights(block, format, w[t], &d[t], &minimum[t]);
+        }
+        if (format == FMT_Q6_K_32) { /* one tile a pass (tiled_linear) */
+            q6_block(tile + (long)b * bytes, q, dx, K, blocks, b, m0, mr, acc[0]);
+            continue;
         }
         for (int j = 0; j < mr; j++) {
             const int8_t *xq = q + (long)(m0 + j) * K + b * 32;
+            /* two chains of dpbusd a tile, not one of 8: on Zen 5, which runs two a cycle, a 512-row pass 5 %
+             * faster with one tile */
             __m512i even[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, odd[2] = {even[0], even[0]};
             for (int g = 0; g < 8; g += 2) {
                 int32_t four, next;
                 memcpy(&four, xq + 4 * g, 4);
                 memcpy(&next, xq + 4 * g + 4, 4);
                 const __m512i x = _mm512_set1_epi32(four), xn = _mm512_set1_epi32(next);
-                for (int t = 0; t < 2; t++) {
+                for (int t = 0; t < nt; t++) {
                     even[t] = _mm512_dpbusd_epi32(even[t], w[t][g], x);
                     odd[t] = _mm512_dpbusd_epi32(odd[t], w[t][g + 1], xn);
                 }
             }
             const long at = (long)(m0 + j) * blocks + b;
             const __m512 scale = _mm512_set1_ps(dx[at]);
-            for (int t = 0; t < 2; t++) {
+            for (int t = 0; t < nt; t++) {
                 __m512i sums = _mm512_add_epi32(even[t], odd[t]);
                 if (offset_of(format)) sums = _mm512_add_epi32(sums, _mm512_set1_epi32(qs[at]));
                 acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale), d[t], acc[t][j]);
@@ -249,8 +218,9 @@ static inline __attribute__((always_inline)) void tiled_pair(const uint8_t *tile
             }
         }
     }
-    for (int t = 0; t < 2; t++) tiled_store(acc[t], mr, bias, y, y_stride, n0 + TILED_ROWS * t, m0, f32);
+    for (int t = 0; t < nt; t++) tiled_store(acc[t], mr, bias, y, y_stride, n0 + TILED_ROWS * t, m0, f32);
 }
+
 /* The quantized inputs live in the call's scratch (SCRATCH_LINEAR): no allocation per step. */
 int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const uint16_t *bias, void *y, int M, int N,
                  int K, long x_stride, long y_stride, int threads, int f32) {
@@ -284,8 +254,10 @@ int tiled_linear(scratch *s, const void *x, const uint8_t *w, int format, const 
     for (int u = 0; u < (tiles + per - 1) / per; u++) {
         const int t = u * per, n0 = t * TILED_ROWS;
         const uint8_t *tile = w + t * tile_bytes;
-#define ONE(F, mr, m0) tiled_tile(tile, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
-#define TWO(F, mr, m0) tiled_pair(tile, tile_bytes, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
+#define ONE(F, mr, m0) \
+    tiled_tiles(tile, tile_bytes, 1, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
+#define TWO(F, mr, m0) \
+    tiled_tiles(tile, tile_bytes, 2, F, blocks, q, dx, sx, qs, K, bias, y, y_stride, n0, m0, mr, f32)
 #define RUN(KIND, F, MR) /* passes of MR input rows, then the rest: each row count a constant in its copy */ \
     do { \
         const int whole = M / (MR) * (MR); \
