@@ -681,6 +681,21 @@ static inline void transpose_16x8(const uint8_t *at, long row_bytes, __m512i out
 
 static inline __m512i byte_of(__m512i v, int k) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * k), _mm512_set1_epi32(0xff)); }
 
+/* 16 bytes at `at` of each of 16 rows (row_bytes apart) as 4 vectors: vector v, lane r = the row's dword v (four
+ * rows a 128-bit lane, transposed in place: 8 shuffles). Gathers of the same dwords cost more here. */
+static inline void transpose_16x4(const uint8_t *at, long row_bytes, __m512i out[4]) {
+    __m512i z[4];
+    for (int k = 0; k < 4; k++) {
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(at + k * row_bytes)));
+        for (int l = 1; l < 4; l++)
+            z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(at + (4 * l + k) * row_bytes)), l);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half *u) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)row_bytes));
@@ -689,8 +704,9 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     if (q4) {
         /* the header, a lane per row: d | dmin << 16, then the 12 bytes of scales and minimums (ggml's
          * get_scale_min_k4, 16 rows at once) */
-        const __m512i head = _mm512_i32gather_epi32(rows, first, 1), q0 = _mm512_i32gather_epi32(rows, first + 4, 1);
-        const __m512i q1 = _mm512_i32gather_epi32(rows, first + 8, 1), q2 = _mm512_i32gather_epi32(rows, first + 12, 1);
+        __m512i hq[4];
+        transpose_16x4(first, row_bytes, hq);
+        const __m512i head = hq[0], q0 = hq[1], q1 = hq[2], q2 = hq[3];
         u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
         u->ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
         const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
@@ -714,10 +730,10 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
         return;
     }
     /* Q6_K: the int8 scales (four dwords), d (the high half of the dword at 206: no read past the row) */
-    for (int k = 0; k < 4; k++) {
-        const __m512i four = _mm512_i32gather_epi32(rows, first + 192 + 4 * k, 1);
-        for (int b = 0; b < 4; b++) u->sc[4 * k + b] = _mm512_srai_epi32(_mm512_slli_epi32(four, 24 - 8 * b), 24);
-    }
+    __m512i fours[4];
+    transpose_16x4(first + 192, row_bytes, fours);
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 4; b++) u->sc[4 * k + b] = _mm512_srai_epi32(_mm512_slli_epi32(fours[k], 24 - 8 * b), 24);
     for (int k = 0; k < 8; k++)
         u->mn[k] = _mm512_or_si512(_mm512_and_si512(u->sc[2 * k], _mm512_set1_epi32(0xffff)),
                                    _mm512_slli_epi32(u->sc[2 * k + 1], 16));
