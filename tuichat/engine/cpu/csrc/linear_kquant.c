@@ -697,8 +697,6 @@ static inline void transpose_16x4(const uint8_t *at, long row_bytes, __m512i out
 }
 
 static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half *u) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)row_bytes));
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), two = _mm512_set1_epi32(0x03030303);
     __m512i v[8];
     if (q4) {
@@ -737,6 +735,8 @@ static void kg_unpack_half(const uint8_t *first, long row_bytes, int q4, kg_half
     for (int k = 0; k < 8; k++)
         u->mn[k] = _mm512_or_si512(_mm512_and_si512(u->sc[2 * k], _mm512_set1_epi32(0xffff)),
                                    _mm512_slli_epi32(u->sc[2 * k + 1], 16));
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)row_bytes));
     u->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, first + 206, 1), 16)));
     u->ndmin = _mm512_setzero_ps();
     for (int h = 0; h < 2; h++) {  /* weights 128h + 32t + 4j..: ql's nibble t / 2 of chunk t % 2, qh's pair t */

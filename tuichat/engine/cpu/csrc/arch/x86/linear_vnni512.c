@@ -3,10 +3,10 @@
  * minimums' term), with the weights laid out so that one vector holds 4 consecutive quants of 16 rows: a dpbusd
  * against 4 input quants broadcast from memory is 64 products, and one cvt, a mul and an fmadd per block (a second
  * fmadd for a minimum that is not a fixed offset: offset_of) scale 16 outputs. The pair layout spends that per 8
- * outputs, a third of the products per instruction, which left prefills and batches compute-bound. Per tile of 16 rows and per block: the quants (Q4: 4 vectors, whose
- * low nibbles are weights 4h..4h+3 and high ones 16+4h..; Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of
- * the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1) the 16 fp16 minimums: the same bytes as GGUF's,
- * tile by tile in the order they are read. From TILED_PAIR_MIN_M input rows (a prefill) the nibble formats run two
+ * outputs, a third of the products per instruction, which left prefills and batches compute-bound. Per tile of
+ * 16 rows and per block: the quants (Q4: 4 vectors, whose low nibbles are weights 4h..4h+3 and high ones 16+4h..;
+ * Q8_0: 8 vectors, + 128), (Q5_0, Q5_1) a vector of the rows' fifth bits, the 16 fp16 scales, then (Q4_1, Q5_1)
+ * the 16 fp16 minimums: the same bytes as GGUF's, tile by tile in the order they are read. From TILED_PAIR_MIN_M input rows (a prefill) the nibble formats run two
  * adjacent tiles a pass, so that each broadcast of 4 inputs meets 32 rows. */
 #include <omp.h>
 #include <stdlib.h>
